@@ -1,0 +1,1 @@
+"""cp_rope.launch: torchrun entry points for long-context pretraining."""

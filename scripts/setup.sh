@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One-time set-up on a fresh machine: a virtual environment in .venv (it sees
+# the system's packages, so a CUDA build of torch you already have is kept),
+# PyTorch only when it is missing (the CPU wheel 2.13.0 by default), then
+# cp-rope itself, editable, with its test extra. Safe to run again.
+#
+# Environment: PYTHON (default python3), CP_ROPE_VENV (default .venv; set to
+# "none" to install into the current interpreter), CP_ROPE_TORCH_SPEC
+# (default torch==2.13.0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+VENV=${CP_ROPE_VENV:-.venv}
+if [ "$VENV" != "none" ]; then
+  if [ ! -x "$VENV/bin/python" ]; then
+    "$PY" -m venv --system-site-packages "$VENV"
+  fi
+  PY="$VENV/bin/python"
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+if "$PY" -c "import torch" >/dev/null 2>&1; then
+  echo "setup: keeping installed torch $("$PY" -c 'import torch; print(torch.__version__)')"
+else
+  spec=${CP_ROPE_TORCH_SPEC:-torch==2.13.0}
+  echo "setup: torch missing, installing $spec"
+  "$PY" -m pip install -q "$spec" \
+    || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
+fi
+"$PY" -m pip install -q -e ".[test]"
+"$PY" -c "import cp_rope, cp_rope.parallel, cp_rope.launch, torch; print('setup: cp_rope', cp_rope.__version__, 'with torch', torch.__version__)"

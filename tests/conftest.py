@@ -1,0 +1,41 @@
+"""pytest set-up shared by the whole suite.
+
+* Without CUDA, Triton kernels run under ``TRITON_INTERPRET=1`` (set before
+  any kernel module is imported), so CI on a CPU machine tests the kernel
+  itself. The check does not create a CUDA context.
+* ``@pytest.mark.gpu`` tests are skipped without CUDA.
+* Hypothesis: no deadlines (the Triton interpreter and process start-up are
+  slow and uneven), a bounded number of examples.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+_HAS_CUDA = torch.cuda.is_available()
+if not _HAS_CUDA:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/utils.py, tests/dist_utils.py
+
+try:
+    from hypothesis import settings
+
+    settings.register_profile("ci", deadline=None, max_examples=25, print_blob=True)
+    settings.register_profile("dev", deadline=None, max_examples=10)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
+except ImportError:  # pragma: no cover - hypothesis is in the test extra
+    pass
+
+
+def pytest_collection_modifyitems(config, items):
+    if _HAS_CUDA:
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
