@@ -1,1 +1,41 @@
-"""cp_rope.parallel: packing, the zigzag CP split, CP attention and the CP-aware loss."""
+"""cp_rope.parallel: packing, the zigzag CP split, CP attention and the CP-aware loss.
+
+Names are resolved lazily (PEP 562) so that importing one part (say, the
+sharding helpers in a DataLoader worker) does not import the others.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    # packing
+    "PackedBatch": "packing",
+    "PackingCollator": "packing",
+    "TokenBudgetBatchSampler": "packing",
+    "pack_iterable": "packing",
+    # zigzag CP split
+    "cp_shard_indices": "sharding",
+    "shard_tensor": "sharding",
+    "shard_batch": "sharding",
+    "unshard": "sharding",
+    # CP attention
+    "context_parallel_attention": "attention",
+    # loss
+    "cp_cross_entropy": "loss",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))
