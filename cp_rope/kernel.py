@@ -1,0 +1,210 @@
+"""The token-linear THD RoPE Triton kernel and its host launcher (no autograd here).
+
+One kernel does forward and backward (``CONJUGATE`` rotates by ``-theta``)
+for q and k in one launch. The grid is ``cdiv(T, BLOCK_T) x (head blocks of q
++ head blocks of k)``: it depends only on the number of local tokens and
+heads, never on the number of sequences, their lengths or the cache length.
+Each program
+
+1. finds the sequence of each of its ``BLOCK_T`` rows by a vectorized binary
+   search over ``cu_seqlens`` (``ceil(log2(n_seqs + 1))`` steps, a runtime
+   loop; zero-length sequences cost nothing),
+2. applies the load-balanced CP position formula (DESIGN.md) in-kernel,
+3. gathers the cos/sin rows once and reuses them for every head it handles,
+4. loops over its heads: loads in the input dtype, rotates in float32, stores
+   in the output dtype, and copies the pass-through dims ``>= rotary_dim``
+   unless the operation is in place. Rows at or beyond ``cu_seqlens[-1]``
+   are copied unchanged.
+
+All addressing is int64: program ids are widened before they multiply a
+stride, so tensors over 2**31 elements work.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["rotary_triton", "launch_config"]
+
+
+@triton.jit
+def _rotate_heads(
+    # pointers
+    X, OUT,
+    # per-row state shared by every head of the program
+    row_x, row_o, cos, sin, offs_r, mask_rot, offs_p, mask_pass,
+    # heads [h_start, h_end) of this tensor, int64
+    h_start, h_end,
+    # strides (elements)
+    stride_xh, stride_xd, stride_oh, stride_od,
+    # meta
+    ROT_HALF: tl.constexpr,  # rotary_dim // 2: offset of the second half
+    INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
+    COPY_PASS: tl.constexpr,  # copy dims >= rotary_dim (False when in place or none)
+):
+    if INTERLEAVED:
+        d1 = 2 * offs_r
+        d2 = 2 * offs_r + 1
+    else:
+        d1 = offs_r
+        d2 = offs_r + ROT_HALF
+    for h in range(h_start, h_end):
+        px = X + row_x + h * stride_xh
+        po = OUT + row_o + h * stride_oh
+        x1 = tl.load(px + d1[None, :] * stride_xd, mask=mask_rot, other=0.0).to(tl.float32)
+        x2 = tl.load(px + d2[None, :] * stride_xd, mask=mask_rot, other=0.0).to(tl.float32)
+        y1 = x1 * cos - x2 * sin
+        y2 = x2 * cos + x1 * sin
+        tl.store(po + d1[None, :] * stride_od, y1.to(OUT.dtype.element_ty), mask=mask_rot)
+        tl.store(po + d2[None, :] * stride_od, y2.to(OUT.dtype.element_ty), mask=mask_rot)
+        if COPY_PASS:
+            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
+            tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
+
+
+@triton.jit
+def _rope_kernel(
+    # pointers
+    Q, K, OUT_Q, OUT_K, COS, SIN, CU_SEQLENS,
+    # sizes: runtime values that change from batch to batch
+    n_tokens, n_seqs, n_heads_q, n_heads_k, heads_per_prog, head_dim, cp_size, cp_rank,
+    # strides (elements)
+    stride_qt, stride_qh, stride_qd,
+    stride_kt, stride_kh, stride_kd,
+    stride_oqt, stride_oqh, stride_oqd,
+    stride_okt, stride_okh, stride_okd,
+    stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
+    # meta: these shape the generated code
+    ROT_HALF: tl.constexpr,  # rotary_dim // 2
+    BLOCK_T: tl.constexpr,  # rows per program
+    BLOCK_R: tl.constexpr,  # next_power_of_2(ROT_HALF): the half-width tile
+    BLOCK_P: tl.constexpr,  # next_power_of_2(head_dim - rotary_dim): pass-through tile
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,  # rotate by -theta (the backward)
+    COPY_PASS: tl.constexpr,  # out-of-place with head_dim > rotary_dim
+):
+    pid_t = tl.program_id(0).to(tl.int64)
+    pid_h = tl.program_id(1).to(tl.int64)
+    offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
+    mask_t = offs_t < n_tokens
+
+    # Sequence of each row: the largest b in [0, n_seqs] with cu[b] <= t
+    # (binary lifting; b == n_seqs means trailing padding).
+    seq = tl.zeros([BLOCK_T], dtype=tl.int32)
+    step = 1
+    while step * 2 <= n_seqs:
+        step *= 2
+    while step > 0:
+        cand = seq + step
+        ok = cand <= n_seqs
+        bound = tl.load(CU_SEQLENS + cand, mask=ok & mask_t, other=0)
+        seq = tl.where(ok & (bound <= offs_t), cand, seq)
+        step = step // 2
+    valid = mask_t & (seq < n_seqs)
+    start = tl.load(CU_SEQLENS + seq, mask=valid, other=0).to(tl.int64)
+    end = tl.load(CU_SEQLENS + seq + 1, mask=valid, other=0).to(tl.int64)
+    # CP position formula: local row j of a local sequence of 2c rows on rank r.
+    j = offs_t - start
+    c = (end - start) // 2
+    pos = tl.where(j < c, cp_rank * c + j, (2 * cp_size - 1 - cp_rank) * c + (j - c))
+    pos = tl.where(valid, pos, 0)
+
+    offs_r = tl.arange(0, BLOCK_R)
+    if BLOCK_R == ROT_HALF:
+        mask_rot = mask_t[:, None]
+    else:
+        mask_rot = mask_t[:, None] & (offs_r < ROT_HALF)[None, :]
+    mask_cs = valid[:, None] & (offs_r < ROT_HALF)[None, :]
+    cos = tl.load(COS + pos[:, None] * stride_cos_p + offs_r[None, :] * stride_cos_d,
+                  mask=mask_cs, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + pos[:, None] * stride_sin_p + offs_r[None, :] * stride_sin_d,
+                  mask=mask_cs, other=0.0).to(tl.float32)
+    if CONJUGATE:
+        sin = -sin
+    offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
+    mask_pass = mask_t[:, None] & (offs_p < head_dim)[None, :]
+
+    n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
+    if pid_h < n_blocks_q:
+        h_start = pid_h * heads_per_prog
+        h_end = tl.minimum(h_start + heads_per_prog, n_heads_q)
+        _rotate_heads(Q, OUT_Q, offs_t[:, None] * stride_qt, offs_t[:, None] * stride_oqt,
+                      cos, sin, offs_r, mask_rot, offs_p, mask_pass, h_start, h_end,
+                      stride_qh, stride_qd, stride_oqh, stride_oqd,
+                      ROT_HALF, INTERLEAVED, COPY_PASS)
+    else:
+        h_start = (pid_h - n_blocks_q) * heads_per_prog
+        h_end = tl.minimum(h_start + heads_per_prog, n_heads_k)
+        _rotate_heads(K, OUT_K, offs_t[:, None] * stride_kt, offs_t[:, None] * stride_okt,
+                      cos, sin, offs_r, mask_rot, offs_p, mask_pass, h_start, h_end,
+                      stride_kh, stride_kd, stride_okh, stride_okd,
+                      ROT_HALF, INTERLEAVED, COPY_PASS)
+
+
+def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, rotary_dim: int,
+                  elem_size: int, *, interleaved: bool = False, conjugate: bool = False,
+                  inplace: bool = False) -> tuple[tuple[int, int], int, dict]:
+    """Grid, heads per program and constexpr meta of a launch.
+
+    A small heuristic (no autotuning over dynamic shapes, which would add
+    guards and recompiles): ``BLOCK_T`` rows x one half-width tile is about 4K
+    elements per load, and each program handles up to 4 heads (about 64 KB
+    moved with bf16 and head_dim 128), fewer when that would leave the GPU
+    with under ~1K programs. Depends only on (T, heads, head_dim,
+    rotary_dim, dtype size, flags): never on the number or lengths of
+    sequences, nor on the cache.
+
+    Returns:
+        ``((cdiv(T, BLOCK_T), head_blocks_q + head_blocks_k), heads_per_prog, meta)``.
+    """
+    half = rotary_dim // 2
+    block_r = triton.next_power_of_2(half)
+    block_t = max(1, min(64, 2048 // block_r))
+    pass_dim = head_dim - rotary_dim
+    copy_pass = pass_dim > 0 and not inplace
+    block_p = triton.next_power_of_2(pass_dim) if copy_pass else 1
+    t_blocks = triton.cdiv(n_tokens, block_t)
+    heads_per_prog = max(1, min(4, max(n_heads_q, n_heads_k)))
+    while heads_per_prog > 1 and t_blocks * triton.cdiv(n_heads_q, heads_per_prog) < 1024:
+        heads_per_prog //= 2
+    h_blocks = triton.cdiv(n_heads_q, heads_per_prog) + triton.cdiv(n_heads_k, heads_per_prog)
+    num_warps = 4 if block_t * block_r * elem_size >= 4096 else 2
+    meta = dict(ROT_HALF=half, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p,
+                INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), COPY_PASS=copy_pass,
+                num_warps=num_warps)
+    return (t_blocks, h_blocks), heads_per_prog, meta
+
+
+def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor,
+                  cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int,
+                  cp_rank: int, interleaved: bool, conjugate: bool) -> None:
+    """Launch the kernel: rotate q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k.
+
+    Any strides; ``out_q is q`` / ``out_k is k`` for in place. ``Hk`` may be 0.
+    cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
+    cu_seqlens int32 ``[B + 1]``. Arguments are assumed checked by the caller.
+    """
+    n_tokens, n_heads_q, head_dim = q.shape
+    n_heads_k = k.shape[1]
+    if n_tokens == 0 or n_heads_q + n_heads_k == 0:
+        return
+    rotary_dim = 2 * cos.shape[1]
+    inplace = out_q.data_ptr() == q.data_ptr()
+    grid, heads_per_prog, meta = launch_config(
+        n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
+        interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+    if n_heads_k == 0:  # any valid pointer: no program reads it
+        k, out_k = q, out_q
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        _rope_kernel[grid](
+            q, k, out_q, out_k, cos, sin, cu_seqlens,
+            n_tokens, cu_seqlens.numel() - 1, n_heads_q, n_heads_k, heads_per_prog, head_dim,
+            cp_size, cp_rank,
+            *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(),
+            *cos.stride(), *sin.stride(),
+            **meta)
+
