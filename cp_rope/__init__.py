@@ -26,7 +26,11 @@ if _os.path.isfile(_os.path.join(_root, "pyproject.toml")) and _os.path.isfile(
 ):
     __path__.append(_root)  # type: ignore[name-defined]  # noqa: F821
 
+from cp_rope.cache import rope_cache  # noqa: E402
+from cp_rope.module import RotaryEmbedding  # noqa: E402
+from cp_rope.ops import apply_rotary_emb, apply_rotary_emb_qk  # noqa: E402
 from cp_rope.positions import global_positions  # noqa: E402
 
-__all__ = ["global_positions"]
+__all__ = ["global_positions", "rope_cache", "apply_rotary_emb", "apply_rotary_emb_qk",
+           "RotaryEmbedding"]
 __version__ = "0.1.0"
