@@ -14,6 +14,8 @@ _EXPORTS = {
     "PackingCollator": "packing",
     "TokenBudgetBatchSampler": "packing",
     "pack_iterable": "packing",
+    "PackedIterableDataset": "packing",
+    "SpanDataset": "packing",
     # zigzag CP split
     "cp_shard_indices": "sharding",
     "shard_tensor": "sharding",
