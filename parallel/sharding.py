@@ -10,12 +10,18 @@ tokens; rank ``r`` keeps chunk ``r`` then chunk ``2 * cp_size - 1 - r``.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 import torch.distributed as dist
 
 from cp_rope.positions import check_cp_args, global_positions
 
-__all__ = ["cp_shard_indices", "shard_tensor", "unshard", "local_cu_seqlens"]
+if TYPE_CHECKING:
+    from .packing import PackedBatch
+
+__all__ = ["cp_shard_indices", "shard_tensor", "shard_batch", "unshard", "local_cu_seqlens"]
 
 
 def local_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -73,6 +79,44 @@ def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_ran
     return x.index_select(dim, idx)
 
 
+def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
+    """This rank's zigzag shard of a *global* :class:`~cp_rope.parallel.PackedBatch`.
+
+    Per-token fields (``input_ids``, ``labels``, ``position_ids``) keep the rows
+    :func:`cp_shard_indices` selects, so ``position_ids`` become
+    ``global_positions(local cu_seqlens, cp_size, cp_rank)`` and labels stay
+    those of the global batch. ``cu_seqlens`` becomes the local one (global /
+    ``cp_size``), ``max_seqlen`` the longest local sequence (global max /
+    ``cp_size``); ``seq_lens`` (true global lengths) is shared, not copied.
+
+    Raises:
+        ValueError: the batch is already a shard (``batch.cp_size != 1``), has
+            trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
+            divisible by ``2 * cp_size``; ``cp_rank`` out of range.
+    """
+    check_cp_args(cp_size, cp_rank)
+    if batch.cp_size != 1:
+        raise ValueError(f"batch: already a shard (cp_size={batch.cp_size}, "
+                         f"cp_rank={batch.cp_rank}); shard the global batch")
+    total = int(batch.cu_seqlens[-1])
+    if total != batch.input_ids.numel():
+        raise ValueError(f"batch: cu_seqlens[-1] = {total} but input_ids has "
+                         f"{batch.input_ids.numel()} rows; trailing rows cannot be sharded")
+    if cp_size == 1:
+        return batch
+    idx = cp_shard_indices(batch.cu_seqlens, cp_size, cp_rank).to(batch.input_ids.device)
+    return dataclasses.replace(
+        batch,
+        input_ids=batch.input_ids[idx],
+        labels=batch.labels[idx],
+        position_ids=batch.position_ids[idx],
+        cu_seqlens=torch.div(batch.cu_seqlens, cp_size, rounding_mode="floor"),
+        max_seqlen=batch.max_seqlen // cp_size,
+        cp_size=cp_size,
+        cp_rank=cp_rank,
+    )
+
+
 def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None,
             ) -> torch.Tensor:
     """Gather every rank's zigzag shard back into global order (dim 0).
@@ -82,12 +126,16 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
             dtype), laid out by :func:`cp_shard_indices`.
         cu_seqlens: the rank's *local* cu_seqlens ``[B + 1]`` (the same on every
             rank of the CP group).
-        group: the CP process group (default: the world).
+        group: the CP process group (default: the world). Without an
+            initialised process group the CP size is 1.
 
-    Returns: ``[C * T_local, ...]`` in global order. Rows of ``local`` at or
-    beyond ``cu_seqlens[-1]`` (trailing padding) are dropped. Not differentiable.
+    Returns: ``[C * cu_seqlens[-1], ...]`` in global order (a new tensor). Rows
+    of ``local`` at or beyond ``cu_seqlens[-1]`` (trailing padding) are
+    dropped. Not differentiable. Collective: every rank of ``group`` must call
+    it; a missing rank fails after the group's timeout.
 
-    Raises: ValueError if ``local`` has fewer rows than ``cu_seqlens[-1]``.
+    Raises: ValueError if ``local`` has fewer rows than ``cu_seqlens[-1]`` or a
+    local length is odd (with ``C > 1``).
     """
     cp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     n_local = int(cu_seqlens[-1])
@@ -96,10 +144,11 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
     local = local[:n_local].contiguous()
     if cp_size == 1:
         return local.clone()
+    global_cu = cu_seqlens.to(torch.int64) * cp_size
+    # Validate before the collective, so bad input fails on every rank alike.
+    dest = torch.cat([cp_shard_indices(global_cu, cp_size, r) for r in range(cp_size)])
     parts = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(parts, local, group=group)
-    global_cu = cu_seqlens.to(torch.int64) * cp_size
     out = local.new_empty((n_local * cp_size, *local.shape[1:]))
-    for r, part in enumerate(parts):
-        out[cp_shard_indices(global_cu, cp_size, r).to(out.device)] = part
+    out[dest.to(out.device)] = torch.cat(parts)
     return out
