@@ -15,7 +15,6 @@ bound check, so a changing value does not specialize a compiled graph on it.
 """
 
 import os
-from typing import Optional
 
 import torch
 
@@ -215,7 +214,7 @@ def _apply(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved
 
 
 def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     cu_seqlens: torch.Tensor, *, max_seqlen: Optional[int] = None,
+                     cu_seqlens: torch.Tensor, *, max_seqlen: int | None = None,
                      cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
                      inplace: bool = False, backend: str = "auto") -> torch.Tensor:
     """Apply RoPE to a packed THD tensor, with the load-balanced CP positions.
@@ -263,7 +262,7 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
 
 
 def apply_rotary_emb_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        cu_seqlens: torch.Tensor, *, max_seqlen: Optional[int] = None,
+                        cu_seqlens: torch.Tensor, *, max_seqlen: int | None = None,
                         cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
                         inplace: bool = False, backend: str = "auto",
                         ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,56 @@
+"""RoPE test helpers: the independent float64 reference and random THD batches."""
+
+from __future__ import annotations
+
+import torch
+
+from cp_rope import global_positions
+
+
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                   cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False) -> torch.Tensor:
+    """Float64 RoPE written independently of the package: positions from
+    :func:`cp_rope.global_positions`, rotation as a complex product
+    ``(x1 + i x2) * (cos + i sin)``. Differentiable (float64 autograd)."""
+    x = x.to(torch.float64)
+    n = int(cu_seqlens[-1])
+    half = cos.shape[1]
+    pos = global_positions(cu_seqlens.cpu(), cp_size, cp_rank).to(x.device)
+    rot = torch.complex(cos.to(x.device, torch.float64)[pos], sin.to(x.device, torch.float64)[pos])
+    xr = x[:n, :, :2 * half]
+    if interleaved:
+        pairs = xr.reshape(n, x.shape[1], half, 2)
+        z = torch.complex(pairs[..., 0], pairs[..., 1]) * rot[:, None, :]
+        yr = torch.stack((z.real, z.imag), dim=-1).reshape(n, x.shape[1], 2 * half)
+    else:
+        z = torch.complex(xr[..., :half], xr[..., half:]) * rot[:, None, :]
+        yr = torch.cat((z.real, z.imag), dim=-1)
+    y_valid = torch.cat((yr, x[:n, :, 2 * half:]), dim=-1)
+    return torch.cat((y_valid, x[n:]), dim=0)
+
+
+def random_cu_seqlens(gen: torch.Generator, n_seqs: int, cp_size: int, max_len: int = 24,
+                      trailing_zeros: int = 3) -> torch.Tensor:
+    """Local int32 cu_seqlens with zero-length and (cp_size 1) one-token sequences
+    and ``trailing_zeros`` zero-length entries at the end. Local lengths are
+    even when ``cp_size > 1`` (two CP chunks)."""
+    lens = torch.randint(0, max_len + 1, (n_seqs,), generator=gen)
+    lens[0] = 0
+    if n_seqs > 1:
+        lens[1] = 1
+    if n_seqs > 2:
+        lens[2] = max_len
+    if cp_size > 1:
+        lens = 2 * ((lens + 1) // 2)
+    lens = torch.cat((lens, torch.zeros(trailing_zeros, dtype=lens.dtype)))
+    return torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))).to(torch.int32)
+
+
+def thd(gen: torch.Generator, n_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
+        strided: bool = False) -> torch.Tensor:
+    """Fresh random ``[T, H, D]``; ``strided``: a non-contiguous view (a head slice
+    of a wider fused buffer whose token stride is not H * D)."""
+    if not strided:
+        return torch.randn(n_tokens, heads, head_dim, generator=gen).to(dtype)
+    buf = torch.randn(n_tokens, heads + 3, head_dim, generator=gen).to(dtype)
+    return buf[:, 2:2 + heads]
