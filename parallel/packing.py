@@ -212,9 +212,10 @@ class PackingCollator:
     counted (``PackedBatch.num_empty_dropped``, :attr:`num_empty_dropped`).
     Each sequence is padded at its end to a multiple of ``2 * cp_size`` with
     ``pad_id`` (labels ``ignore_index``, positions that continue). With
-    ``pad_to_multiple`` one padding sequence (true length 0) is appended so
-    that ``T`` is a multiple of it (``pad_to_multiple=max_tokens`` gives static
-    shapes). With ``cp_rank`` set the result is that rank's zigzag shard
+    ``pad_to_multiple`` one padding sequence (true length 0; cut into pieces of
+    at most ``max_seqlen`` when that is set) is appended so that ``T`` is a
+    positive multiple of it (``pad_to_multiple=max_tokens`` gives static
+    shapes, even for an empty batch). With ``cp_rank`` set the result is that rank's zigzag shard
     (:func:`cp_rope.parallel.shard_batch`); labels are computed on the global
     batch first.
 
@@ -361,11 +362,14 @@ class PackingCollator:
         # Pad every sequence to a multiple of 2 * cp_size, then T to pad_to_multiple.
         padded = _padded(piece_len, 2 * self.cp_size)
         total = int(padded.sum())
-        if self.pad_to_multiple is not None and total % self.pad_to_multiple:
+        if self.pad_to_multiple is not None and (total % self.pad_to_multiple or not total):
             extra = self.pad_to_multiple - total % self.pad_to_multiple
-            padded = np.append(padded, extra)
-            piece_len = np.append(piece_len, 0)
-            piece_src = np.append(piece_src, 0)
+            # One padding sequence, cut at max_seqlen so its positions stay in range.
+            step = self.max_seqlen or extra
+            pad_seqs = np.minimum(np.arange(extra, 0, -step), step)
+            padded = np.concatenate([padded, pad_seqs])
+            piece_len = np.concatenate([piece_len, np.zeros_like(pad_seqs)])
+            piece_src = np.concatenate([piece_src, np.zeros_like(pad_seqs)])
             total += extra
         if self.max_tokens is not None and total > self.max_tokens:
             raise ValueError(
@@ -559,11 +563,16 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
         return len(self._plan()) // self.dp_size
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
+        # Not a generator itself: the position is reset when iteration is
+        # requested, not at the first batch.
         mine = self._plan()[self.dp_rank::self.dp_size]
         start, self._resume_at = self._resume_at, 0
         self._consumed = start
+        return self._yield(mine[start:])
+
+    def _yield(self, batches: list[np.ndarray]) -> Iterator[list[tuple[int, int, int]]]:
         doc, s, e = self._doc, self._start, self._end
-        for items in mine[start:]:
+        for items in batches:
             self._consumed += 1
             yield list(zip(doc[items].tolist(), s[items].tolist(), e[items].tolist(), strict=True))
 
