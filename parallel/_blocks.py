@@ -1,0 +1,276 @@
+"""Per-block attention of CP attention: the block description, the backends, the LSE merge.
+
+A *block* is one attention call of the CP schedule: queries of this rank
+against one set of keys (local, received from another rank, or gathered).
+It is described as varlen *segments*: segment ``i`` is query rows
+``cu_q[i]:cu_q[i+1]`` against key rows ``cu_k[i]:cu_k[i+1]``. A segment with
+no query rows makes the kernel skip key rows (so "the first half of every
+sequence" is expressed without gathering rows), and a segment with no key
+rows leaves its queries untouched (output 0, LSE -inf). ``causal`` blocks
+only pair segments of equal query and key length, so top-left and
+bottom-right causal alignment agree and every backend means the same mask.
+
+Every backend returns, per block, partial outputs with their log-sum-exp
+(natural log of the sum of ``exp(scale * q.k)`` over the visible keys, fp32
+or fp64); :func:`merge_partials` combines partials exactly (the online
+softmax of FlashAttention, as in TransformerEngine's and
+ring-flash-attention's CP). The backward of a block takes the *final*
+(merged) output and LSE, so each block yields its exact share of
+dq / dk / dv.
+
+Backends (``name``: device, dtypes, head dims):
+
+* ``reference``: pure PyTorch, any device, any floating dtype (computes in
+  float64 for float64 input, else float32), any head dim; chunked over query
+  rows (128 at a time) and over the key span those rows can see, so a few
+  thousand tokens fit in memory. The CPU path and the test oracle.
+* ``torch_flash``: ``aten._flash_attention_forward/_backward`` varlen, CUDA,
+  fp16/bf16, head dim <= 256 and a multiple of 8, GQA native.
+* ``torch_cudnn``: ``aten._scaled_dot_product_cudnn_attention`` dense
+  ``[1, H, S, D]`` per segment (views, no copies), CUDA sm80+, cuDNN >= 9,
+  fp16/bf16, head dim <= 128 and a multiple of 8. Only for batches holding
+  one sequence (the long-context case): it needs the segments on the host.
+* ``flash_attn``: the flash_attn package's varlen kernels when importable,
+  CUDA, fp16/bf16, head dim <= 256.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from . import _compat
+
+__all__ = ["Block", "merge_partials", "get_backend", "BACKENDS"]
+
+NEG_INF = float("-inf")
+
+
+@dataclass(frozen=True)
+class Block:
+    """One attention call of the CP schedule (see the module docstring)."""
+
+    cu_q: torch.Tensor
+    """int32 ``[n + 1]`` segment boundaries in the query rows (device of q)."""
+    cu_k: torch.Tensor
+    """int32 ``[n + 1]`` segment boundaries in the key rows."""
+    max_q: int
+    """Host upper bound of every segment's query length."""
+    max_k: int
+    """Host upper bound of every segment's key length (0: the block sees no key)."""
+    causal: bool
+    """Causal inside segments (query and key lengths equal wherever both are non-empty)."""
+    dense: tuple[tuple[int, int, int, int], ...] | None = None
+    """Host ``(q_row0, n_q, k_row0, n_k)`` of the segments with queries and keys, when known."""
+
+
+def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
+                   lse2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Exact merge of two attention partials over disjoint key sets.
+
+    Args:
+        out1, out2: ``[n, H, D]`` partial outputs (each normalised over its own keys).
+        lse1, lse2: ``[H, n]`` their log-sum-exp (float32/float64).
+
+    Returns: ``(out [n, H, D], lse [H, n])`` in the promoted dtype:
+    ``lse = logaddexp(lse1, lse2)``, ``out = exp(lse1 - lse) out1 + exp(lse2 - lse) out2``.
+    A partial whose LSE is -inf (no visible key) leaves the other unchanged
+    bit for bit (whatever its output holds); if both are -inf the row is 0
+    with LSE -inf. Never produces NaN from -inf.
+    """
+    none1, none2 = lse1 == NEG_INF, lse2 == NEG_INF
+    both = none1 & none2
+    lse = torch.where(none2, lse1, torch.where(none1, lse2, torch.logaddexp(lse1, lse2)))
+    safe = lse.masked_fill(both, 0.0)
+    w1 = torch.exp(lse1 - safe).T.unsqueeze(-1)
+    w2 = torch.exp(lse2 - safe).T.unsqueeze(-1)
+    out = torch.where(none2.T.unsqueeze(-1), out1,
+                      torch.where(none1.T.unsqueeze(-1), out2, out1 * w1 + out2 * w2))
+    out = out.masked_fill(both.T.unsqueeze(-1), 0.0)
+    return out, lse
+
+
+# Partials: forward gives [(q_row0, out [n, Hq, D], lse [Hq, n])]; backward gives
+# [(q_row0, dq, k_row0, dk, dv)]. Varlen backends cover all rows at once (row0 = 0).
+
+
+class _Reference:
+    name = "reference"
+    needs_host_segments = False
+    rows_per_chunk = 128
+
+    def _row_windows(self, blk: Block, n_rows: int, device):
+        """Per query row, the visible key rows ``[lo, hi)`` (lo == hi: none)."""
+        cu_q = blk.cu_q.to(device=device, dtype=torch.int64)
+        cu_k = blk.cu_k.to(device=device, dtype=torch.int64)
+        rows = torch.arange(n_rows, device=device)
+        seg = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, cu_q.numel() - 2)
+        inside = (rows >= cu_q[0]) & (rows < cu_q[-1])
+        lo, hi = cu_k[seg], cu_k[seg + 1]
+        if blk.causal:
+            hi = torch.minimum(hi, lo + (rows - cu_q[seg]) + 1)
+        hi = torch.where(inside, hi, lo)
+        return lo, hi
+
+    def _chunks(self, q, k, v, blk: Block, scale: float):
+        """Yield (r0, r1, k0, qc, kc, vc, s, mask) with s ``[Hkv, G, n, m]`` masked scores."""
+        n_rows, hq, d = q.shape
+        hkv = k.shape[1]
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lo, hi = self._row_windows(blk, n_rows, q.device)
+        for r0 in range(0, n_rows, self.rows_per_chunk):
+            r1 = min(n_rows, r0 + self.rows_per_chunk)
+            clo, chi = lo[r0:r1], hi[r0:r1]
+            has = chi > clo
+            if not bool(has.any()):
+                continue
+            k0 = int(clo[has].min())
+            k1 = int(chi[has].max())
+            qc = q[r0:r1].to(ct).view(r1 - r0, hkv, hq // hkv, d)
+            kc, vc = k[k0:k1].to(ct), v[k0:k1].to(ct)
+            kidx = torch.arange(k0, k1, device=q.device)
+            mask = (kidx >= clo[:, None]) & (kidx < chi[:, None])
+            s = torch.einsum("qhgd,khd->hgqk", qc, kc) * scale
+            yield r0, r1, k0, qc, kc, vc, s.masked_fill(~mask, NEG_INF), mask
+
+    def forward(self, q, k, v, blk: Block, scale: float):
+        n_rows, hq, d = q.shape
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        out = torch.zeros(n_rows, hq, d, dtype=ct, device=q.device)
+        lse = torch.full((hq, n_rows), NEG_INF, dtype=ct, device=q.device)
+        for r0, r1, _, _, _, vc, s, _ in self._chunks(q, k, v, blk, scale):
+            m = s.amax(-1, keepdim=True)
+            m = m.masked_fill(m == NEG_INF, 0.0)
+            p = torch.exp(s - m)
+            den = p.sum(-1, keepdim=True)
+            o = torch.einsum("hgqk,khd->qhgd", p, vc) / den.masked_fill(den == 0, 1.0).permute(2, 0, 1, 3)
+            out[r0:r1] = o.reshape(r1 - r0, hq, d)
+            lse[:, r0:r1] = (m + torch.log(den)).reshape(hq, r1 - r0)
+        return [(0, out, lse)], None
+
+    def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
+        n_rows, hq, d = q.shape
+        hkv = k.shape[1]
+        ct = torch.float64 if q.dtype == torch.float64 else torch.float32
+        dq = torch.zeros(n_rows, hq, d, dtype=ct, device=q.device)
+        dk = torch.zeros(k.shape, dtype=ct, device=q.device)
+        dv = torch.zeros(v.shape, dtype=ct, device=q.device)
+        for r0, r1, k0, qc, kc, vc, s, mask in self._chunks(q, k, v, blk, scale):
+            n = r1 - r0
+            shape = (n, hkv, hq // hkv, d)
+            do = dout[r0:r1].to(ct).view(shape)
+            o = out[r0:r1].to(ct).view(shape)
+            row_lse = lse[:, r0:r1].to(ct).reshape(hkv, hq // hkv, n, 1)
+            p = torch.where(mask, torch.exp(s - row_lse), 0.0)
+            delta = (do * o).sum(-1).permute(1, 2, 0).unsqueeze(-1)  # [Hkv, G, n, 1]
+            ds = p * (torch.einsum("qhgd,khd->hgqk", do, vc) - delta)
+            k1 = k0 + kc.shape[0]
+            dv[k0:k1] += torch.einsum("hgqk,qhgd->khd", p, do)
+            dk[k0:k1] += torch.einsum("hgqk,qhgd->khd", ds, qc) * scale
+            dq[r0:r1] = (torch.einsum("hgqk,khd->qhgd", ds, kc) * scale).reshape(n, hq, d)
+        return [(0, dq, 0, dk, dv)]
+
+
+class _Varlen:
+    """Flash-style varlen kernels (torch's own or the flash_attn package)."""
+
+    needs_host_segments = False
+
+    def __init__(self, name, fwd, bwd):
+        self.name, self._fwd, self._bwd = name, fwd, bwd
+
+    def forward(self, q, k, v, blk: Block, scale: float):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return [], None
+        out, lse, *state = self._fwd(q, k, v, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
+                                     blk.causal, scale)
+        # flash-attn writes LSE +inf for rows without a visible key; ours is -inf
+        lse = lse.masked_fill(lse == float("inf"), NEG_INF)
+        return [(0, out, lse)], state
+
+    def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return []
+        dq, dk, dv = self._bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
+                               blk.causal, scale, *aux)
+        return [(0, dq, 0, dk, dv)]
+
+
+class _Cudnn:
+    """cuDNN dense attention, one ``[1, H, S, D]`` call per host-known segment."""
+
+    name = "torch_cudnn"
+    needs_host_segments = True
+
+    @staticmethod
+    def _bhsd(x, row0, n):
+        return x[row0:row0 + n].unsqueeze(0).transpose(1, 2)
+
+    def forward(self, q, k, v, blk: Block, scale: float):
+        parts, auxs = [], []
+        for q0, nq, k0, nk in blk.dense:
+            o, lse, aux = _compat.torch_cudnn_fwd(self._bhsd(q, q0, nq), self._bhsd(k, k0, nk),
+                                                  self._bhsd(v, k0, nk), blk.causal, scale)
+            parts.append((q0, o.transpose(1, 2)[0], lse[0]))
+            auxs.append(aux)
+        return parts, auxs
+
+    def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
+        grads = []
+        for (q0, nq, k0, nk), seg_aux in zip(blk.dense, aux):
+            dq, dk, dv = _compat.torch_cudnn_bwd(
+                self._bhsd(dout, q0, nq), self._bhsd(q, q0, nq), self._bhsd(k, k0, nk),
+                self._bhsd(v, k0, nk), self._bhsd(out, q0, nq), lse[:, q0:q0 + nq].unsqueeze(0),
+                blk.causal, scale, seg_aux)
+            grads.append((q0, dq.transpose(1, 2)[0], k0, dk.transpose(1, 2)[0], dv.transpose(1, 2)[0]))
+        return grads
+
+
+BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "reference")
+
+
+def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
+    """Why ``backend`` cannot run these inputs (None: it can)."""
+    d = q.shape[-1]
+    if backend == "reference":
+        return None
+    if q.device.type != "cuda":
+        return f"needs CUDA tensors, got device {q.device}"
+    if q.dtype not in (torch.float16, torch.bfloat16):
+        return f"supports float16/bfloat16, got {q.dtype}"
+    if backend == "flash_attn":
+        if not _compat.flash_attn_available():
+            return "the flash_attn package is not importable"
+        return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
+    if backend == "torch_flash":
+        return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
+    if backend == "torch_cudnn":
+        if not _compat.torch_cudnn_available():
+            return "needs cuDNN >= 9 on an sm80+ GPU with torch >= 2.6"
+        if n_seqs != 1:
+            return f"runs batches of one sequence (cu_seqlens of 2 entries), got {n_seqs} sequences"
+        return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
+    raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+
+
+def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
+    """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs.
+
+    ``auto`` takes flash_attn if importable, else cuDNN for a batch of one
+    sequence, else torch's flash kernels, else the reference.
+
+    Raises: ValueError naming the backend and the unsupported property.
+    """
+    if backend == "auto":
+        backend = next(b for b in BACKENDS if _unsupported(b, q, n_seqs) is None)
+    why = _unsupported(backend, q, n_seqs)
+    if why is not None:
+        raise ValueError(f"backend={backend!r} {why}")
+    if backend == "reference":
+        return _Reference()
+    if backend == "torch_cudnn":
+        return _Cudnn()
+    if backend == "torch_flash":
+        return _Varlen("torch_flash", _compat.torch_flash_varlen_fwd, _compat.torch_flash_varlen_bwd)
+    return _Varlen("flash_attn", _compat.flash_attn_varlen_fwd, _compat.flash_attn_varlen_bwd)

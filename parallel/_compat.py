@@ -1,0 +1,169 @@
+"""The one place where cp_rope.parallel touches private PyTorch / flash_attn APIs.
+
+Everything version-specific is resolved here, with a version check and an
+error that says what is missing, so the rest of the package calls stable
+names:
+
+* :func:`torch_flash_varlen_fwd` / :func:`torch_flash_varlen_bwd`:
+  ``torch.ops.aten._flash_attention_forward`` / ``_flash_attention_backward``
+  (varlen: ``cum_seq_q`` / ``cum_seq_k``; LSE ``[H, total_q]`` float32). Only
+  the positional arguments present since torch 2.2 and the ``scale`` keyword
+  are used, so the call is the same on torch 2.6 ... 2.13.
+* :func:`torch_cudnn_fwd` / :func:`torch_cudnn_bwd`:
+  ``torch.ops.aten._scaled_dot_product_cudnn_attention`` and its backward
+  (dense ``[B, H, S, D]``, LSE float32 ``[B, H, S]`` or ``[B, H, S, 1]``).
+* :func:`flash_attn_varlen_fwd` / :func:`flash_attn_varlen_bwd`: the
+  ``flash_attn`` package's ``_flash_attn_varlen_forward`` / ``_backward``
+  (2.6 and 2.7+ signatures), when the package is importable.
+* :func:`all_gather_single` / :func:`reduce_scatter_single`: torch 2.13
+  renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "TORCH_VERSION",
+    "all_gather_single",
+    "reduce_scatter_single",
+    "flash_attn_available",
+    "flash_attn_varlen_fwd",
+    "flash_attn_varlen_bwd",
+    "torch_flash_varlen_fwd",
+    "torch_flash_varlen_bwd",
+    "torch_cudnn_available",
+    "torch_cudnn_fwd",
+    "torch_cudnn_bwd",
+]
+
+
+def _version_tuple(v: str) -> tuple[int, int]:
+    parts = v.split("+")[0].split(".")
+    return int(parts[0]), int(parts[1])
+
+
+TORCH_VERSION = _version_tuple(torch.__version__)
+_MIN_TORCH = (2, 6)
+
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _require_op(name: str):
+    op = getattr(torch.ops.aten, name, None)
+    if op is None or TORCH_VERSION < _MIN_TORCH:
+        raise RuntimeError(
+            f"backend needs torch.ops.aten.{name} (torch >= {_MIN_TORCH[0]}.{_MIN_TORCH[1]}); "
+            f"this is torch {torch.__version__}. Use backend='reference' or another backend.")
+    return op
+
+
+# ----------------------------------------------------------------- torch flash (varlen)
+
+def torch_flash_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Returns (out [Tq, Hq, D] q.dtype, lse [Hq, Tq] float32, rng_state, unused).
+
+    Rows with no visible key get out 0 and lse +inf (flash-attn's convention);
+    rows at or beyond ``cu_q[-1]`` are left unwritten. Callers fix both.
+    """
+    op = _require_op("_flash_attention_forward")
+    out, lse, rng_state, unused, _ = op(
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    return out, lse, rng_state, unused
+
+
+def torch_flash_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                           rng_state, unused):
+    """Returns (dq, dk, dv) in the input dtype; GQA dk/dv have k's head count."""
+    op = _require_op("_flash_attention_backward")
+    return op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
+              scale=scale)
+
+
+# ----------------------------------------------------------------- cuDNN (dense)
+
+@functools.lru_cache(maxsize=None)
+def torch_cudnn_available() -> bool:
+    """cuDNN SDPA ops exist, cuDNN >= 9 is loaded and the GPU is sm80+."""
+    if TORCH_VERSION < _MIN_TORCH or not torch.cuda.is_available():
+        return False
+    if getattr(torch.ops.aten, "_scaled_dot_product_cudnn_attention", None) is None:
+        return False
+    if not torch.backends.cudnn.is_available() or (torch.backends.cudnn.version() or 0) < 90000:
+        return False
+    return torch.cuda.get_device_capability()[0] >= 8
+
+
+def torch_cudnn_fwd(q, k, v, causal, scale):
+    """q/k/v ``[B, H, S, D]`` (any strides with a unit last stride).
+
+    Returns (out ``[B, Hq, Sq, D]``, lse ``[B, Hq, Sq]`` float32, aux) where aux
+    holds what the backward needs (philox state, cum_seq, the LSE's own shape).
+    """
+    op = _require_op("_scaled_dot_product_cudnn_attention")
+    (out, lse, cum_q, cum_k, max_q, max_k, seed, offset, _) = op(
+        q, k, v, None, True, 0.0, causal, False, scale=scale)
+    aux = (cum_q, cum_k, max_q, max_k, seed, offset, tuple(lse.shape))
+    return out, lse.reshape(lse.shape[0], lse.shape[1], lse.shape[2]), aux
+
+
+def torch_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
+    """Gradients of :func:`torch_cudnn_fwd`; ``lse`` ``[B, Hq, Sq]`` float32."""
+    op = _require_op("_scaled_dot_product_cudnn_attention_backward")
+    cum_q, cum_k, max_q, max_k, seed, offset, lse_shape = aux
+    return op(dout, q, k, v, out, lse.reshape(lse_shape).contiguous(), seed, offset, None,
+              cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
+
+
+# ----------------------------------------------------------------- flash_attn package
+
+@functools.lru_cache(maxsize=None)
+def _flash_attn_interface():
+    try:
+        import flash_attn
+        from flash_attn import flash_attn_interface as fai
+    except ImportError:
+        return None
+    if _version_tuple(flash_attn.__version__) < (2, 6):
+        raise RuntimeError(f"flash_attn {flash_attn.__version__} is too old for cp_rope "
+                           "(needs >= 2.6); upgrade it or pass backend='torch_flash'")
+    fwd_params = inspect.signature(fai._flash_attn_varlen_forward).parameters
+    split_window = "window_size_left" in fwd_params  # 2.7+; 2.6 takes window_size=(l, r)
+    return fai, split_window
+
+
+def flash_attn_available() -> bool:
+    return _flash_attn_interface() is not None
+
+
+def _window_kwargs(split_window: bool) -> dict:
+    if split_window:
+        return {"window_size_left": -1, "window_size_right": -1}
+    return {"window_size": (-1, -1)}
+
+
+def flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Returns (out, lse [Hq, Tq] float32, rng_state); same conventions as torch flash."""
+    fai, split_window = _flash_attn_interface()
+    res = fai._flash_attn_varlen_forward(
+        q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
+        softcap=0.0, alibi_slopes=None, return_softmax=False, **_window_kwargs(split_window))
+    # 2.7+: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
+    out, lse, rng_state = (res[0], res[1], res[3]) if len(res) == 4 else (res[0], res[5], res[7])
+    return out, lse, rng_state
+
+
+def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                          rng_state):
+    fai, split_window = _flash_attn_interface()
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    fai._flash_attn_varlen_backward(
+        dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
+        softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
+        deterministic=False, rng_state=rng_state, **_window_kwargs(split_window))
+    return dq, dk, dv

@@ -1,0 +1,51 @@
+"""The one ring-communication helper of CP attention.
+
+Each exchange sends one tensor to the next rank of the CP group and receives
+one of the same shape from the previous rank, in a single
+``batch_isend_irecv`` (NCCL runs it as one group, so no rank can wait on a
+partner that waits on it; gloo matches the point-to-point messages of a pair
+in posting order, and every rank posts in the same order). The exchange is
+started before the caller computes and waited for afterwards, so the next
+block's communication overlaps the current block's compute. Waits use the
+process group's timeout: a dead partner raises instead of hanging.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RingExchange"]
+
+
+class RingExchange:
+    """``start(x)`` posts send(x -> rank + 1) and recv(<- rank - 1); ``wait()`` returns the recv."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = dist.get_world_size(group)
+        rank = dist.get_rank(group)
+        group = group if group is not None else dist.group.WORLD
+        self.next = dist.get_global_rank(group, (rank + 1) % self.size)
+        self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
+        self._works: list = []
+        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def start(self, x: torch.Tensor) -> None:
+        if self._pending is not None:
+            raise RuntimeError("RingExchange.start called twice without wait()")
+        x = x.contiguous()
+        recv = torch.empty_like(x)
+        ops = [dist.P2POp(dist.isend, x, self.next, self.group),
+               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        self._works = dist.batch_isend_irecv(ops)
+        self._pending = (x, recv)  # keep the send buffer alive until the wait
+
+    def wait(self) -> torch.Tensor:
+        if self._pending is None:
+            raise RuntimeError("RingExchange.wait called without start()")
+        for w in self._works:
+            w.wait()
+        recv = self._pending[1]
+        self._works, self._pending = [], None
+        return recv

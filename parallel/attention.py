@@ -1,0 +1,443 @@
+"""Context-parallel attention over varlen (THD) sequences in the zigzag layout.
+
+:func:`context_parallel_attention` is attention over the *global* sequences
+while each rank holds only its zigzag shard (rank ``r`` keeps chunks ``r`` and
+``2C - 1 - r`` of every sequence, see :mod:`cp_rope.parallel.sharding`). Two
+schedules, both exact (partials merged through their log-sum-exp):
+
+``method="ring"`` (TransformerEngine's load-balanced ring / ring-flash-attention):
+K/V (with their own head count, never repeated for GQA) travel around the
+ring in ``C`` steps, the next exchange in flight while the current block
+computes. At step ``i`` rank ``r`` holds the K/V of ``src = (r - i) mod C``:
+
+* step 0: the local causal block (row ``j`` sees local keys ``<= j``, which in
+  the zigzag layout is causal by global position);
+* ``src < r``: every local query sees the first half (chunk ``src``) of every
+  received sequence, unmasked;
+* ``src > r``: the second half (chunk ``2C - 1 - r``) of the local queries sees
+  all received keys, unmasked.
+
+Every rank does the same work at every step. The backward runs the ring
+again; dK/dV (fp32) travel with the K/V and reach their owner after the
+last step.
+
+``method="allgather"`` (TransformerEngine's all-gather CP / Llama 3): K/V are
+all-gathered (overlapped with the local diagonal block) and put in global
+order; each local query chunk attends its causal prefix; the backward
+reduce-scatters dK/dV (all-reduce + slice on gloo). One collective of
+``C x`` the K/V instead of ``C - 1`` ring steps: better with GQA (small K/V)
+or when the ring steps are too short to hide their communication (short
+local sequences, many documents); the ring needs ``1 / C`` of the K/V memory
+and overlaps all of its communication, so it wins for the longest
+sequences and for MHA.
+
+Sizes are host values (``max_seqlen``, tensor shapes); the ring with the
+varlen backends reads nothing back from the device. The all-gather method
+builds its global-order index with :func:`~cp_rope.parallel.cp_shard_indices`
+(a few host syncs per call), as does ``causal=False`` with padding.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from cp_rope.positions import global_positions
+
+from . import _compat
+from ._blocks import NEG_INF, Block, get_backend, merge_partials
+from ._ring import RingExchange
+from .sharding import cp_shard_indices
+
+__all__ = ["context_parallel_attention"]
+
+Method = Literal["ring", "allgather"]
+BackendName = Literal["auto", "flash_attn", "torch_flash", "torch_cudnn", "reference"]
+_METHODS = ("ring", "allgather")
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def context_parallel_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: int,
+    *,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    method: Method = "ring",
+    backend: BackendName = "auto",
+    seq_lens: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Attention of sequences split across the CP group in the zigzag layout.
+
+    Args:
+        q: ``[T, Hq, D]`` float16/bfloat16/float32/float64, this rank's rows.
+        k, v: ``[T, Hkv, D]``, same dtype and device, ``Hq % Hkv == 0`` (GQA).
+        cu_seqlens: int32 ``[B + 1]`` *local* cumulative lengths (global / C),
+            the same on every rank; rows from ``cu_seqlens[-1]`` on are
+            trailing padding. With ``C > 1`` every local length is even.
+        max_seqlen: host int >= the longest *local* sequence.
+        group: the CP process group; ``None`` or a group of one rank gives
+            plain varlen attention (same block code).
+        causal: causal by global position inside each sequence; ``False``:
+            every query sees every (real) key of its sequence.
+        softmax_scale: default ``1 / sqrt(D)``.
+        method: ``"ring"`` or ``"allgather"`` (module docstring: when to pick which).
+        backend: ``"auto"``, ``"flash_attn"``, ``"torch_flash"``,
+            ``"torch_cudnn"`` or ``"reference"``. Support (else ValueError):
+            reference: any device and dtype (fp32 math, fp64 for fp64 input);
+            torch_flash / flash_attn: CUDA, fp16/bf16, D <= 256, D % 8 == 0;
+            torch_cudnn: CUDA sm80+, cuDNN >= 9, fp16/bf16, D <= 128, one
+            sequence per batch (B == 1; it reads that length to the host once
+            per call). ``auto``: flash_attn if importable, else torch_cudnn
+            for B == 1, else torch_flash, else reference.
+        seq_lens: only with ``causal=False``: int ``[B]`` true (unpadded)
+            *global* lengths; keys at global position ``>= seq_lens[b]`` are
+            masked. Required when ``C > 1`` (zigzag pads every sequence to a
+            multiple of ``2C``); pass the padded lengths if nothing is padded.
+            With ``causal=True`` padding sits after the real tokens and never
+            reaches them, so seq_lens is refused.
+
+    Returns: ``[T, Hq, D]`` in q's dtype, differentiable w.r.t. q, k and v.
+    Rows at or beyond ``cu_seqlens[-1]`` are 0 and get gradients 0; a query
+    that sees no key (non-causal all-padding sequence) gets 0.
+
+    Raises:
+        TypeError / ValueError: naming the bad argument (shapes, dtypes,
+            cu_seqlens content for CPU tensors or with ``CP_ROPE_DEBUG=1``,
+            unsupported backend / dtype / head dim combinations).
+        RuntimeError: ranks of the group disagree on shapes, dtype, cu_seqlens,
+            max_seqlen, causal or method (the message shows every rank's
+            values), checked before any data moves; a peer that fails or
+            disappears makes the collectives raise after the group's timeout.
+    """
+    _check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, method, seq_lens)
+    if group is not None and dist.get_world_size(group) > 1:
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        group, cp_size, cp_rank = None, 1, 0
+    _check_cu_content(cu_seqlens, q.shape[0], max_seqlen, cp_size)
+    if not causal and seq_lens is None and cp_size > 1:
+        raise ValueError(
+            "seq_lens: causal=False with cp_size > 1 needs the true global lengths to mask the "
+            "zigzag padding keys (pass cu_seqlens.diff() * cp_size if nothing is padded)")
+    be = get_backend(backend, q, cu_seqlens.numel() - 1)
+    if cp_size > 1:
+        _check_across_ranks(group, q, k, cu_seqlens, max_seqlen, causal, method, seq_lens)
+    scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
+    plan = _Plan(cu_seqlens, max_seqlen, q.shape[0], cp_size, cp_rank, causal, seq_lens,
+                 method if cp_size > 1 else "ring", be.needs_host_segments)
+    return _CPAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, be, group, scale)
+
+
+# --------------------------------------------------------------------------- checks
+
+def _check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, method, seq_lens):
+    for name, t in (("q", q), ("k", k), ("v", v), ("cu_seqlens", cu_seqlens)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 3:
+            raise ValueError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in T and D")
+    if q.shape[1] % k.shape[1] != 0:
+        raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads ({k.shape[1]})")
+    if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/{v.dtype} "
+                         f"on {q.device}/{k.device}/{v.device}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64) or cu_seqlens.dim() != 1 \
+            or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be a 1-D int32 tensor [B + 1], got {cu_seqlens.dtype} "
+                         f"of shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q on {q.device}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
+        raise TypeError(f"max_seqlen must be a non-negative Python int, got {max_seqlen!r}")
+    if method not in _METHODS:
+        raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
+    if softmax_scale is not None and not softmax_scale > 0:
+        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale!r}")
+    if seq_lens is not None:
+        if causal:
+            raise ValueError("seq_lens is only used with causal=False (causal attention never "
+                             "lets padding keys reach real queries); pass seq_lens=None")
+        if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype.is_floating_point \
+                or seq_lens.shape != (cu_seqlens.numel() - 1,):
+            raise ValueError(f"seq_lens must be an integer tensor [B] = [{cu_seqlens.numel() - 1}], "
+                             f"got {getattr(seq_lens, 'shape', seq_lens)}")
+
+
+def _check_cu_content(cu, n_rows, max_seqlen, cp_size):
+    if cu.device.type != "cpu" and os.environ.get("CP_ROPE_DEBUG", "0") != "1":
+        return
+    lens = cu[1:] - cu[:-1]
+    if int(cu[0]) != 0:
+        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
+    if bool((lens < 0).any()):
+        raise ValueError("cu_seqlens must be non-decreasing")
+    if int(cu[-1]) > n_rows:
+        raise ValueError(f"cu_seqlens[-1] = {int(cu[-1])} exceeds the {n_rows} rows of q")
+    if lens.numel() and int(lens.max()) > max_seqlen:
+        raise ValueError(f"max_seqlen = {max_seqlen} is below the longest local sequence "
+                         f"({int(lens.max())})")
+    if cp_size > 1 and bool((lens % 2 != 0).any()):
+        raise ValueError(f"cu_seqlens: with cp_size={cp_size} every local length must be even "
+                         "(two zigzag chunks)")
+
+
+def _check_across_ranks(group, q, k, cu, max_seqlen, causal, method, seq_lens):
+    """All-gather a small signature; raise on every rank if any two ranks differ."""
+    cu64 = cu.to(torch.int64)
+    head = torch.tensor([*q.shape, *k.shape, _DTYPES.index(q.dtype), cu.numel(), max_seqlen,
+                         int(causal), _METHODS.index(method), int(seq_lens is not None)],
+                        dtype=torch.int64, device=q.device)
+    sig = torch.cat([head, cu64[-1:], (cu64 * torch.arange(1, cu.numel() + 1, device=cu.device)).sum(0, keepdim=True)])
+    if seq_lens is not None:
+        sig = torch.cat([sig, seq_lens.to(q.device, torch.int64).sum(0, keepdim=True)])
+    else:
+        sig = torch.cat([sig, sig.new_zeros(1)])
+    parts = [torch.empty_like(sig) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, sig, group=group)
+    rows = [p.tolist() for p in parts]
+    if any(r != rows[0] for r in rows):
+        names = ("q", "k", "dtype", "len(cu_seqlens)", "max_seqlen", "causal", "method",
+                 "seq_lens given", "cu_seqlens[-1]", "cu_seqlens checksum", "seq_lens sum")
+        def show(r):
+            vals = [tuple(r[0:3]), tuple(r[3:6]), str(_DTYPES[r[6]]), *r[7:]]
+            return ", ".join(f"{n}={x}" for n, x in zip(names, vals))
+        detail = "\n".join(f"  rank {i}: {show(r)}" for i, r in enumerate(rows))
+        raise RuntimeError("context_parallel_attention: inputs differ across the ranks of the CP "
+                           f"group:\n{detail}")
+
+
+# --------------------------------------------------------------------------- the plan
+
+def _segments(q_starts, q_end, k_starts, k_end, max_q, max_k, causal, device, host):
+    """A :class:`Block` from per-sequence segment starts (each a ``[B]`` tensor)."""
+    cu_q = torch.cat([torch.stack(q_starts, 1).flatten(), q_end.view(1)]).to(torch.int32)
+    cu_k = torch.cat([torch.stack(k_starts, 1).flatten(), k_end.view(1)]).to(torch.int32)
+    dense = None
+    if host:
+        bq, bk = cu_q.tolist(), cu_k.tolist()
+        dense = tuple((bq[i], bq[i + 1] - bq[i], bk[i], bk[i + 1] - bk[i]) for i in range(len(bq) - 1)
+                      if bq[i + 1] > bq[i] and bk[i + 1] > bk[i])
+    return Block(cu_q.to(device), cu_k.to(device), max_q, max_k, causal, dense)
+
+
+class _Plan:
+    """Every block of one call, built once (vectorised over sequences) and reused by backward."""
+
+    def __init__(self, cu_seqlens, max_seqlen, n_rows, cp_size, cp_rank, causal, seq_lens,
+                 method, host):
+        dev = cu_seqlens.device
+        cu = cu_seqlens.to(torch.int64)
+        if host:
+            cu = cu.cpu()
+        C, r, M = cp_size, cp_rank, max_seqlen
+        self.cp_size, self.cp_rank, self.method, self.causal = C, r, method, causal
+        self.valid_rows = torch.arange(n_rows, device=dev) < cu_seqlens[-1].to(torch.int64)
+        a, e, end = cu[:-1], cu[1:], cu[-1]
+        h = (e - a) // 2
+        seg = lambda qs, qe, ks, ke, mq, mk, c: _segments(qs, qe, ks, ke, mq, mk, c, dev, host)
+        real = None
+        if not causal and seq_lens is not None:
+            real = self._real_key_counts(cu_seqlens, seq_lens, C)  # [C, B] local real keys per rank
+            if host:
+                real = real.cpu()
+        if method == "ring":
+            self.ring = []
+            for i in range(C):
+                src = (r - i) % C
+                if not causal:
+                    ks = [a] if real is None else [a, a + real[src]]
+                    qs = [a] if real is None else [a, e]
+                    self.ring.append(seg(qs, end, ks, end, M, M, False))
+                elif i == 0:
+                    self.ring.append(seg([a], end, [a], end, M, M, True))
+                elif src < r:  # all local queries x first half of the received keys
+                    self.ring.append(seg([a, e], end, [a, a + h], end, M, M // 2, False))
+                else:  # second half of the local queries x all received keys
+                    self.ring.append(seg([a, a + h], end, [a, a], end, M // 2, M, False))
+            return
+        # all-gather: global order of the gathered K/V through the sharding helper
+        n_local = int(cu_seqlens[-1])
+        global_cu = cu_seqlens.to(torch.int64) * C
+        self.global_index = torch.empty(C * n_local, dtype=torch.int64, device=dev)
+        for p in range(C):
+            self.global_index[cp_shard_indices(global_cu, C, p).to(dev)] = \
+                p * n_rows + torch.arange(n_local, device=dev)
+        ga, gend = a * C, end * C
+        if causal:
+            # local: each half causally against itself; global: unmasked prefixes
+            self.local = [seg([a, a + h], end, [a, a + h], end, M // 2, M // 2, True)]
+            pre1, pre2 = r, 2 * C - 1 - r  # chunks before chunk r / before chunk 2C-1-r
+            self.glob = [seg([a, a + h, e], end, [ga, ga + pre1 * h, ga + pre1 * h], gend,
+                             M // 2, pre1 * (M // 2), False),
+                         seg([a, a + h, e], end, [ga, ga, ga + pre2 * h], gend,
+                             M // 2, pre2 * (M // 2), False)]
+        else:
+            n_real = (e - a) * C if seq_lens is None else seq_lens.to(cu.device, torch.int64)
+            self.local = []
+            self.glob = [seg([a, e], end, [ga, ga + n_real], gend, M, C * M, False)]
+
+    @staticmethod
+    def _real_key_counts(cu_seqlens, seq_lens, C):
+        """``[C, B]``: keys of rank p's local sequence b that are not padding (a prefix)."""
+        cu = cu_seqlens.to(torch.int64)
+        lens = cu[1:] - cu[:-1]
+        seq_lens = seq_lens.to(device=cu.device, dtype=torch.int64)
+        if bool(((seq_lens < 0) | (seq_lens > lens * C)).any()):
+            raise ValueError("seq_lens must satisfy 0 <= seq_lens <= global (padded) length")
+        n = int(cu[-1])
+        seq_id = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens,
+                                         output_size=n)
+        counts = torch.zeros(C, lens.numel(), dtype=torch.int64, device=cu.device)
+        for p in range(C):
+            real = global_positions(cu, C, p) < seq_lens[seq_id]
+            counts[p].index_add_(0, seq_id, real.to(torch.int64))
+        return counts
+
+
+# --------------------------------------------------------------------------- forward / backward
+
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _merge_into(out_acc, lse_acc, parts):
+    for row0, o, lse in parts:
+        n = o.shape[0]
+        rows = slice(row0, row0 + n)
+        out_acc[rows], lse_acc[:, rows] = merge_partials(out_acc[rows], lse_acc[:, rows], o, lse)
+
+
+def _add_grads(dq_acc, dk_acc, dv_acc, grads):
+    for q0, dq, k0, dk, dv in grads:
+        dq_acc[q0:q0 + dq.shape[0]] += dq
+        dk_acc[k0:k0 + dk.shape[0]] += dk
+        dv_acc[k0:k0 + dv.shape[0]] += dv
+
+
+class _Gather:
+    """All-gather of stacked K/V ``[2, T, Hkv, D]`` into global order (async start, wait)."""
+
+    def __init__(self, kv, group, plan):
+        self.group, self.plan, self.shape = group, plan, kv.shape
+        C = plan.cp_size
+        self.buf = kv.new_empty((C, *kv.shape))
+        if dist.get_backend(group) == "gloo":
+            self.work = dist.all_gather(list(self.buf.unbind(0)), kv, group=group, async_op=True)
+        else:
+            self.work = _compat.all_gather_single(self.buf, kv, group=group, async_op=True)
+
+    def wait(self):
+        self.work.wait()
+        two, T = self.shape[0], self.shape[1]
+        flat = self.buf.transpose(0, 1).reshape(two, -1, *self.shape[2:])  # [2, C*T, Hkv, D]
+        return flat.index_select(1, self.plan.global_index)
+
+
+def _scatter_global_grads(dkv_glob, plan, group, n_rows):
+    """Global-order dK/dV ``[2, C*n, Hkv, D]`` -> this rank's summed share ``[2, T, Hkv, D]``."""
+    C = plan.cp_size
+    flat = dkv_glob.new_zeros((2, C * n_rows, *dkv_glob.shape[2:]))
+    flat.index_copy_(1, plan.global_index, dkv_glob)
+    per_rank = flat.view(2, C, n_rows, *dkv_glob.shape[2:]).transpose(0, 1).contiguous()
+    if dist.get_backend(group) == "gloo":  # reduce_scatter is missing from gloo in older torch
+        dist.all_reduce(per_rank, group=group)
+        return per_rank[plan.cp_rank]
+    out = per_rank.new_empty(per_rank.shape[1:])
+    _compat.reduce_scatter_single(out, per_rank, group=group)
+    return out
+
+
+class _CPAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, plan, be, group, scale):
+        T, hq, d = q.shape
+        acc = _acc_dtype(q.dtype)
+        out_acc = torch.zeros(T, hq, d, dtype=acc, device=q.device)
+        lse_acc = torch.full((hq, T), NEG_INF, dtype=acc, device=q.device)
+        auxs = []
+        if plan.method == "ring":
+            C = plan.cp_size
+            ring = RingExchange(group) if C > 1 else None
+            kv = torch.stack([k, v]) if C > 1 else None
+            for i, blk in enumerate(plan.ring):
+                if i + 1 < C:
+                    ring.start(kv)
+                kk, vv = (k, v) if i == 0 else (kv[0], kv[1])
+                parts, aux = be.forward(q, kk, vv, blk, scale)
+                auxs.append(aux)
+                _merge_into(out_acc, lse_acc, parts)
+                if i + 1 < C:
+                    kv = ring.wait()
+        else:
+            gather = _Gather(torch.stack([k, v]), group, plan)
+            for blk in plan.local:
+                parts, aux = be.forward(q, k, v, blk, scale)
+                auxs.append(aux)
+                _merge_into(out_acc, lse_acc, parts)
+            kv = gather.wait()
+            for blk in plan.glob:
+                parts, aux = be.forward(q, kv[0], kv[1], blk, scale)
+                auxs.append(aux)
+                _merge_into(out_acc, lse_acc, parts)
+        valid = plan.valid_rows
+        out = torch.where(valid[:, None, None], out_acc, 0.0).to(q.dtype)
+        lse = torch.where(valid[None, :], lse_acc, NEG_INF)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.plan, ctx.be, ctx.group, ctx.scale, ctx.auxs = plan, be, group, scale, auxs
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        plan, be, group, scale, auxs = ctx.plan, ctx.be, ctx.group, ctx.scale, ctx.auxs
+        dout = dout.contiguous()
+        acc = _acc_dtype(q.dtype)
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
+        C = plan.cp_size
+        if plan.method == "ring" and C == 1:
+            _add_grads(dq, dkv[0], dkv[1], be.backward(dout, q, k, v, out, lse, plan.ring[0], scale, auxs[0]))
+        elif plan.method == "ring":
+            kv_ring, dkv_ring = RingExchange(group), RingExchange(group)
+            kv = torch.stack([k, v])
+            for i, blk in enumerate(plan.ring):
+                if i + 1 < C:
+                    kv_ring.start(kv)
+                grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, auxs[i])
+                if i > 0:
+                    dkv = dkv_ring.wait()  # dK/dV of the K/V in hand, accumulated upstream
+                _add_grads(dq, dkv[0], dkv[1], grads)
+                dkv_ring.start(dkv)
+                if i + 1 < C:
+                    kv = kv_ring.wait()
+            dkv = dkv_ring.wait()  # back at the owner
+        else:
+            gather = _Gather(torch.stack([k, v]), group, plan)
+            for blk, aux in zip(plan.local, auxs):
+                _add_grads(dq, dkv[0], dkv[1], be.backward(dout, q, k, v, out, lse, blk, scale, aux))
+            kv = gather.wait()
+            dkv_glob = torch.zeros((2, *kv.shape[1:]), dtype=acc, device=q.device)
+            for blk, aux in zip(plan.glob, auxs[len(plan.local):]):
+                grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, aux)
+                _add_grads(dq, dkv_glob[0], dkv_glob[1], grads)
+            dkv += _scatter_global_grads(dkv_glob, plan, group, q.shape[0])
+        valid = plan.valid_rows[:, None, None]
+        dq = torch.where(valid, dq, 0.0).to(q.dtype)
+        dk = torch.where(valid, dkv[0], 0.0).to(k.dtype)
+        dv = torch.where(valid, dkv[1], 0.0).to(v.dtype)
+        return dq, dk, dv, None, None, None, None

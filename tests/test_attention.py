@@ -1,0 +1,272 @@
+"""CP attention (cp_rope.parallel.context_parallel_attention) on the CPU.
+
+* Unit tests: the LSE merge rules, the reference block against a naive
+  softmax, padding rows, argument errors.
+* Multi-rank parity over gloo at world sizes 1, 2, 4 (one spawn each): a
+  random global varlen batch (lengths 0, 1, 2C, random; GQA and MHA; causal
+  and not) in float64, naive single-process attention and its autograd
+  backward as the oracle, the zigzag shard from the production helper, both
+  CP methods, gathered back and compared with max abs error <= 1e-10.
+* A failing rank makes the others fail within the timeout instead of hanging.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from utils import assert_close
+
+from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
+from cp_rope.parallel._blocks import Block, get_backend, merge_partials
+from cp_rope.parallel.sharding import local_cu_seqlens
+
+F64_EXACT = {"atol": 1e-10, "rtol": 0.0}
+
+
+# --------------------------------------------------------------------------- oracle
+
+def naive_attention(q, k, v, cu, causal, scale, seq_lens=None):
+    """Per-sequence masked softmax attention (float64, autograd); rows past cu[-1] -> 0."""
+    g = q.shape[1] // k.shape[1]
+    pieces = []
+    cu = cu.tolist()
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        n = e - s
+        kb, vb = k[s:e].repeat_interleave(g, 1), v[s:e].repeat_interleave(g, 1)
+        scores = torch.einsum("qhd,khd->hqk", q[s:e], kb) * scale
+        mask = torch.ones(n, n, dtype=torch.bool)
+        if causal:
+            mask = torch.tril(mask)
+        if seq_lens is not None:
+            mask = mask & (torch.arange(n) < int(seq_lens[b]))[None, :]
+        has = mask.any(-1)[:, None]
+        scores = torch.where(has, scores.masked_fill(~mask, float("-inf")), 0.0)
+        p = torch.softmax(scores, -1) * has
+        pieces.append(torch.einsum("hqk,khd->qhd", p, vb))
+    pieces.append(q.new_zeros(q.shape[0] - cu[-1], *q.shape[1:]))
+    return torch.cat(pieces)
+
+
+def _rand(gen, *shape):
+    return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+
+# --------------------------------------------------------------------------- unit tests
+
+def _partial(gen, n, h, d, lse_vals):
+    out = _rand(gen, n, h, d)
+    lse = torch.tensor(lse_vals, dtype=torch.float64).view(1, n).expand(h, n).clone()
+    return out, lse
+
+
+def test_merge_rules():
+    gen = torch.Generator().manual_seed(0)
+    ninf = float("-inf")
+    o1, l1 = _partial(gen, 4, 3, 5, [0.3, ninf, 1.5, ninf])
+    o2, l2 = _partial(gen, 4, 3, 5, [ninf, 2.0, -0.7, ninf])
+    o1[0, 0, 0] = -0.0  # the sign of a zero survives too
+    o2[0] = float("nan")  # garbage behind a -inf LSE never leaks
+    o1[3], o2[3] = float("nan"), float("inf")
+    out, lse = merge_partials(o1, l1, o2, l2)
+    assert not torch.isnan(out).any() and not torch.isnan(lse).any()
+    # one -inf partial: the other unchanged bit for bit
+    assert torch.equal(out[0].view(torch.int64), o1[0].view(torch.int64))
+    assert torch.equal(lse[:, 0].view(torch.int64), l1[:, 0].view(torch.int64))
+    assert torch.equal(out[1].view(torch.int64), o2[1].view(torch.int64))
+    assert torch.equal(lse[:, 1], l2[:, 1])
+    # both -inf: zero row, -inf LSE
+    assert torch.equal(out[3], torch.zeros_like(out[3])) and bool((lse[:, 3] == ninf).all())
+    # both finite: the softmax-weighted mix
+    w1 = torch.exp(l1[:, 2] - torch.logaddexp(l1[:, 2], l2[:, 2]))[:, None]
+    assert_close(out[2], w1 * o1[2] + (1 - w1) * o2[2], **F64_EXACT, name="mixed row")
+    assert_close(lse[:, 2], torch.logaddexp(l1[:, 2], l2[:, 2]), **F64_EXACT, name="mixed lse")
+
+
+def _block(cu_q, cu_k, causal):
+    cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+    d = lambda c: int((c[1:] - c[:-1]).max())
+    return Block(cu_q, cu_k, d(cu_q), d(cu_k), causal)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_reference_block_matches_naive_softmax(causal):
+    """Segments incl. empty q / empty k ones; GQA; forward (out, lse) and backward."""
+    gen = torch.Generator().manual_seed(1)
+    hq, hkv, d, scale = 6, 2, 80, 0.11
+    if causal:  # equal q/k lengths per segment
+        cu_q, cu_k = [0, 3, 3, 140, 141], [0, 3, 3, 140, 141]
+    else:
+        cu_q, cu_k = [0, 5, 5, 9, 150], [0, 7, 19, 19, 150]
+    blk = _block(cu_q, cu_k, causal)
+    n_q, n_k = cu_q[-1] + 2, cu_k[-1] + 1  # trailing rows belong to no segment
+    q, k, v = _rand(gen, n_q, hq, d), _rand(gen, n_k, hkv, d), _rand(gen, n_k, hkv, d)
+    be = get_backend("reference", q, len(cu_q) - 1)
+    [(row0, out, lse)], _ = be.forward(q, k, v, blk, scale)
+    # oracle: explicit dense mask over all rows
+    qi, ki = torch.arange(n_q)[:, None], torch.arange(n_k)[None, :]
+    seg = torch.searchsorted(torch.tensor(cu_q), torch.arange(n_q), right=True) - 1
+    seg = seg.clamp(max=len(cu_q) - 2)
+    lo, hi = torch.tensor(cu_k)[seg][:, None], torch.tensor(cu_k)[seg + 1][:, None]
+    mask = (ki >= lo) & (ki < hi) & (qi < cu_q[-1])
+    if causal:
+        mask &= ki - lo <= qi - torch.tensor(cu_q)[seg][:, None]
+    qr, kr, vr = (t.clone().requires_grad_() for t in (q, k, v))
+    s = torch.einsum("qhd,khd->hqk", qr, kr.repeat_interleave(hq // hkv, 1)) * scale
+    s = s.masked_fill(~mask, float("-inf"))
+    ref_lse = torch.logsumexp(s, -1)
+    has = mask.any(-1)
+    p = torch.where(has[:, None], torch.exp(s - ref_lse.masked_fill(~has, 0)[..., None]), 0.0)
+    ref = torch.einsum("hqk,khd->qhd", p, vr.repeat_interleave(hq // hkv, 1))
+    assert row0 == 0
+    assert_close(out, ref, **F64_EXACT, name="out")
+    assert_close(lse, ref_lse, **F64_EXACT, name="lse")
+    assert bool((lse[:, ~has] == float("-inf")).all())
+    dout = _rand(gen, n_q, hq, d)
+    ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
+    [(q0, dq, k0, dk, dv)] = be.backward(dout, q, k, v, out, lse, blk, scale, None)
+    for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+        assert_close(got, exp, **F64_EXACT, name=name)
+
+
+def test_single_process_padding_rows_and_float32():
+    """group=None: plain varlen attention; trailing rows give 0 and gradient 0."""
+    gen = torch.Generator().manual_seed(2)
+    lens = [5, 0, 1, 17]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1]) + 3
+    q, k, v = _rand(gen, n, 4, 16), _rand(gen, n, 2, 16), _rand(gen, n, 2, 16)
+    dout = _rand(gen, n, 4, 16)
+    for dtype in (torch.float64, torch.float32):
+        qx, kx, vx = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(qx, kx, vx, cu, max(lens), backend="reference")
+        out.backward(dout.to(dtype))
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = naive_attention(*ref_in, cu, True, 16 ** -0.5)
+        ref_grads = torch.autograd.grad(ref, ref_in, dout)
+        tol = F64_EXACT if dtype == torch.float64 else {}
+        assert out.dtype == dtype
+        assert_close(out, ref, dtype=dtype, **tol, name=f"out {dtype}")
+        for name, got, exp in zip(("dq", "dk", "dv"), (qx.grad, kx.grad, vx.grad), ref_grads):
+            assert_close(got, exp, dtype=dtype, **tol, name=f"{name} {dtype}")
+            assert torch.equal(got[int(cu[-1]):], torch.zeros_like(got[int(cu[-1]):]))
+        assert torch.equal(out[int(cu[-1]):], torch.zeros_like(out[int(cu[-1]):]))
+
+
+def test_bad_inputs():
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    cpa = context_parallel_attention
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        cpa(q, torch.randn(8, 3, 16), torch.randn(8, 3, 16), cu, 8)
+    with pytest.raises(ValueError, match="same shape"):
+        cpa(q, k, torch.randn(8, 1, 16), cu, 8)
+    with pytest.raises(ValueError, match=r"\[T, H, D\]"):
+        cpa(q[0], k, k, cu, 8)
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        cpa(q, k, k, cu.float(), 8)
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\]"):
+        cpa(q, k, k, torch.tensor([0, 9], dtype=torch.int32), 9)
+    with pytest.raises(ValueError, match="max_seqlen"):
+        cpa(q, k, k, cu, 4)
+    with pytest.raises(TypeError, match="max_seqlen"):
+        cpa(q, k, k, cu, 8.0)
+    with pytest.raises(ValueError, match="method"):
+        cpa(q, k, k, cu, 8, method="tree")
+    with pytest.raises(ValueError, match="backend='torch_flash' needs CUDA"):
+        cpa(q, k, k, cu, 8, backend="torch_flash")
+    with pytest.raises(ValueError, match="backend"):
+        cpa(q, k, k, cu, 8, backend="xformers")
+    with pytest.raises(ValueError, match="seq_lens is only used with causal=False"):
+        cpa(q, k, k, cu, 8, seq_lens=torch.tensor([8]))
+    with pytest.raises(TypeError, match="dtype|float16"):
+        cpa(q.int(), k.int(), k.int(), cu, 8)
+
+
+# --------------------------------------------------------------------------- multi-rank
+
+def _make_case(seed, cp_size, hq, hkv, d, causal):
+    gen = torch.Generator().manual_seed(seed)
+    pool = [0, 1, 2 * cp_size, 2 * cp_size + 1, 3, 9, 23]
+    lens = [pool[int(i)] for i in torch.randint(0, len(pool), (6,), generator=gen)] + [0, 1, 2 * cp_size]
+    lens = [lens[int(i)] for i in torch.randperm(len(lens), generator=gen)]
+    padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in lens]
+    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1])
+    tensors = [_rand(gen, n, h, d) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
+    return lens, cu, tensors
+
+
+def _parity_body(rank, world_size):
+    group = dist.group.WORLD
+    cases = [  # (hq, hkv, d, causal)
+        (4, 4, 16, True), (6, 2, 8, True), (4, 4, 16, False), (6, 2, 24, False), (1, 1, 8, True)]
+    for ci, (hq, hkv, d, causal) in enumerate(cases):
+        lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, causal)
+        seq_lens = None if causal else torch.tensor(lens)
+        scale = 0.3 if ci == 1 else None
+        ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = naive_attention(*ref_in, cu, causal, scale or d ** -0.5, seq_lens)
+        ref_grads = torch.autograd.grad(ref, ref_in, dout)
+        local_cu = local_cu_seqlens(cu, world_size)
+        max_local = int((local_cu[1:] - local_cu[:-1]).max())
+        n_local = int(local_cu[-1])
+        extra = 2 if ci == 0 else 0  # trailing rows that belong to no sequence
+        for method in ("ring", "allgather"):
+            loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
+            loc = [torch.cat([t, torch.randn(extra, *t.shape[1:], dtype=t.dtype)]) for t in loc]
+            ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+            out = context_parallel_attention(
+                ql, kl, vl, local_cu, max_local, group=group if ci != 4 or world_size > 1 else None,
+                causal=causal, softmax_scale=scale, method=method, backend="reference",
+                seq_lens=seq_lens)
+            out.backward(loc[3])
+            tag = f"ws{world_size} case{ci} {method} rank{rank}"
+            for got in (out, ql.grad, kl.grad, vl.grad):
+                assert torch.equal(got[n_local:], torch.zeros_like(got[n_local:])), tag
+            for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),
+                                      (ref, *ref_grads)):
+                assert_close(unshard(got.detach(), local_cu, group), exp, **F64_EXACT,
+                             name=f"{tag} {name}")
+    if world_size > 1:
+        _errors_across_ranks(rank, world_size, group)
+
+
+def _errors_across_ranks(rank, world_size, group):
+    cu = torch.tensor([0, 4 * world_size], dtype=torch.int32)
+    n = 4 * world_size + (rank == 1)  # rank 1 holds one row more
+    q, k = torch.randn(n, 2, 8, dtype=torch.float64), torch.randn(n, 1, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"differ across the ranks") as info:
+        context_parallel_attention(q, k, k, cu, 4 * world_size, group=group, backend="reference")
+    msg = str(info.value)
+    assert f"q=({4 * world_size}, 2, 8)" in msg and f"q=({4 * world_size + 1}, 2, 8)" in msg, msg
+    with pytest.raises(ValueError, match="seq_lens: causal=False with cp_size > 1"):
+        context_parallel_attention(q, k, k, cu, 4 * world_size, group=group, causal=False)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_cp_attention_matches_single_process(world_size):
+    run_distributed(_parity_body, world_size, timeout_s=120)
+
+
+def _one_rank_fails_body(rank, world_size):
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    q = torch.randn(8, 2, 8)
+    if rank == 1:  # fails before the exchange; the error is handled and the rank leaves
+        try:
+            raise RuntimeError("rank 1 fails before the exchange")
+        except RuntimeError:
+            return
+    context_parallel_attention(q, q, q, cu, 8, group=dist.group.WORLD, backend="reference")
+
+
+def test_failing_rank_does_not_hang():
+    """Rank 0 waits on a partner that never comes: it must raise within the timeout."""
+    start = time.monotonic()
+    with pytest.raises(AssertionError, match=r"failed on \['rank0.err'\]"):
+        run_distributed(_one_rank_fails_body, 2, timeout_s=5)
+    assert time.monotonic() - start < 60
