@@ -1,0 +1,454 @@
+"""Typed configuration of the pretraining entry point.
+
+One ``@dataclass(kw_only=True, slots=True)`` per component, each field
+documented by the docstring under it (that text is also the ``--help`` of its
+command-line flag, so units live there). Named presets are plain Python
+functions returning a :class:`PretrainConfig`. Precedence, lowest first:
+preset, ``--config`` file (TOML or JSON, one table per component), then
+command-line flags (kebab-case field names, e.g. ``--cp-size``, ``--lr``).
+
+:func:`validate` checks everything that can be checked without a process
+group or data, so a bad config fails in milliseconds with a message naming
+the field (``ConfigError: model.n_heads=12 ...``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import functools
+import inspect
+import json
+import os
+import sys
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+__all__ = [
+    "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
+    "PretrainConfig", "PRESETS", "preset", "parse_args", "validate", "to_dict",
+]
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field (``section.field``)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ModelConfig:
+    """Llama-style decoder shapes (see :mod:`cp_rope.launch.model`)."""
+
+    dim: int = 128
+    """Hidden size (model width), in features."""
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    n_heads: int = 4
+    """Query heads per attention layer; head_dim = dim / n_heads."""
+    n_kv_heads: int = 2
+    """Key/value heads (GQA); must divide n_heads."""
+    ffn_hidden_dim: int = 384
+    """SwiGLU hidden size, in features."""
+    vocab_size: int = 0
+    """Vocabulary size; 0 = taken from the tokenizer (rounded up to a multiple of 64)."""
+    norm_eps: float = 1e-5
+    """RMSNorm epsilon."""
+    rope_base: float = 10000.0
+    """RoPE base (theta); Llama 3 uses 500000."""
+    max_seq_len: int = 0
+    """Longest global sequence the RoPE cache covers, in tokens; 0 = data.seq_len."""
+    init_std: float = 0.02
+    """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2 n_layers))."""
+    activation_checkpointing: bool = False
+    """Recompute each block's activations in backward (less memory, ~30% more compute)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class DataConfig:
+    """Corpus, tokenizer and batching."""
+
+    data: str | None = None
+    """Corpus: None = the running Python's stdlib *.py files; a .jsonl file (text field), a directory of .txt files, or a pre-tokenized .bin (memmap)."""
+    tokenizer: str | None = None
+    """Path to a local HuggingFace tokenizer.json (needs the `tokenizers` package); None = bytes (256 ids + BOS/EOS/PAD)."""
+    text_field: str = "text"
+    """JSONL key holding each document's text."""
+    bin_dtype: Literal["uint16", "uint32"] = "uint16"
+    """Element type of a pre-tokenized .bin file."""
+    eos_id: int | None = None
+    """EOS token id that ends each document of a .bin file (required for .bin)."""
+    seq_mode: Literal["docs", "concat"] = "docs"
+    """docs: one example per document (long ones cut at seq_len); concat: the document stream cut into seq_len-token sequences (GPT style), for long context."""
+    seq_len: int = 1024
+    """Longest example (docs) or exact sequence length (concat), in tokens, before CP sharding."""
+    tokens_per_batch: int = 4096
+    """Token budget of one CP group's global batch per step (per data-parallel rank), in tokens; global tokens per step = dp * this."""
+    max_docs: int | None = None
+    """Use only the first N documents of the corpus (quick tests)."""
+    num_workers: int = 0
+    """DataLoader worker processes (0 = collate in the training process)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class ParallelConfig:
+    """Context parallelism; data-parallel size = world size / cp_size."""
+
+    cp_size: int = 1
+    """Context-parallel degree C (ranks that share one sequence)."""
+    cp_method: Literal["ring", "allgather"] = "ring"
+    """CP attention algorithm: ring (P2P K/V rotation) or allgather (K/V all-gather)."""
+    attn_backend: Literal["auto", "flash_attn", "torch_cudnn", "torch_flash", "reference"] = "auto"
+    """Per-block attention kernel used by CP attention."""
+    rope_backend: Literal["auto", "triton", "torch"] = "auto"
+    """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path."""
+    timeout_s: int = 600
+    """Process-group timeout, in seconds: a hung collective fails after this."""
+
+
+@dataclass(kw_only=True, slots=True)
+class OptimConfig:
+    """AdamW with linear warmup then cosine decay."""
+
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Final learning rate as a fraction of lr (end of the cosine)."""
+    warmup_steps: int = 20
+    """Linear warmup, in optimizer steps."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay (matrices only; norms and embeddings get none)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient L2 norm (over all ranks) to this; 0 = off."""
+
+
+@dataclass(kw_only=True, slots=True)
+class TrainConfig:
+    """Loop, precision, logging, checkpoints."""
+
+    steps: int = 120
+    """Optimizer steps to train (total, including steps before a resume)."""
+    seed: int = 0
+    """Seed of the weight init and the data order."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """auto = cuda when available (NCCL), else cpu (gloo)."""
+    dtype: Literal["auto", "float32", "bfloat16"] = "auto"
+    """Compute dtype: auto = bfloat16 on cuda (FSDP2 mixed precision, fp32 master weights and reductions), float32 on cpu."""
+    out_dir: str = "runs/pretrain"
+    """Run directory: metrics.jsonl, TensorBoard events, checkpoints/."""
+    log_every: int = 10
+    """Log loss, LR, tokens/s every N steps, in steps."""
+    checkpoint_every: int = 0
+    """Save a checkpoint every N steps (0 = only at the end)."""
+    save_final: bool = True
+    """Save a checkpoint after the last step."""
+    keep_checkpoints: int = 2
+    """Keep the newest N checkpoints, delete older ones (0 = keep all)."""
+    resume: bool = False
+    """Resume from the newest checkpoint in out_dir/checkpoints (start fresh if there is none)."""
+    save_on_signal: bool = True
+    """On SIGTERM / Ctrl-C, save a checkpoint before exiting."""
+    tensorboard: bool = True
+    """Write TensorBoard events when the tensorboard package is installed."""
+    peak_tflops: float = 0.0
+    """Peak dense bf16 TFLOP/s of one GPU for MFU; 0 = from the device name (H100/H200/A100/B200)."""
+    progress: bool = True
+    """Show a tqdm progress bar on rank 0."""
+
+
+@dataclass(kw_only=True, slots=True)
+class PretrainConfig:
+    """Everything :func:`cp_rope.launch.pretrain.main` needs."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    """Model shapes."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus and batching."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Context / data parallelism."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer and LR schedule."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """Loop, precision, logging, checkpoints."""
+
+
+_SECTIONS = ("model", "data", "parallel", "optim", "train")
+
+
+# ------------------------------------------------------------------- presets
+def tiny() -> PretrainConfig:
+    """CPU default: ~0.8M parameters, byte vocabulary, 1024-token examples."""
+    return PretrainConfig()
+
+
+def gpt_125m() -> PretrainConfig:
+    """GPT-3 Small / GPT-2 125M widths with Llama blocks."""
+    return PretrainConfig(
+        model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden_dim=2048),
+        data=DataConfig(seq_len=8192, tokens_per_batch=65536),
+        optim=OptimConfig(lr=6e-4, warmup_steps=100),
+        train=TrainConfig(steps=1000, log_every=10))
+
+
+def llama_1b() -> PretrainConfig:
+    """Llama-3.2-1B shapes (dim 2048, 16 layers, 32/8 heads, SwiGLU 8192, RoPE base 500000)."""
+    return PretrainConfig(
+        model=ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
+                          rope_base=500000.0),
+        data=DataConfig(seq_mode="concat", seq_len=65536, tokens_per_batch=65536),
+        optim=OptimConfig(lr=3e-4, warmup_steps=50),
+        train=TrainConfig(steps=500, log_every=10))
+
+
+def llama3_8b() -> PretrainConfig:
+    """Llama-3-8B shapes (dim 4096, 32 layers, 32/8 heads, SwiGLU 14336, RoPE base 500000)."""
+    return PretrainConfig(
+        model=ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,
+                          rope_base=500000.0, activation_checkpointing=True),
+        data=DataConfig(seq_mode="concat", seq_len=131072, tokens_per_batch=131072),
+        optim=OptimConfig(lr=3e-4, warmup_steps=100),
+        train=TrainConfig(steps=1000, log_every=1))
+
+
+PRESETS = {"tiny": tiny, "125m": gpt_125m, "1b": llama_1b, "8b": llama3_8b}
+
+
+def preset(name: str) -> PretrainConfig:
+    """The named preset (a fresh object). Raises ConfigError for an unknown name."""
+    if name not in PRESETS:
+        raise ConfigError(f"preset={name!r}: expected one of {sorted(PRESETS)}")
+    return PRESETS[name]()
+
+
+# --------------------------------------------------------- field docs / types
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """The docstring under each field of dataclass ``cls`` (parsed from its source)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
+                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
+                and isinstance(nxt.value.value, str)):
+            docs[node.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _section_classes() -> dict[str, type]:
+    return {s: _hints(PretrainConfig)[s] for s in _SECTIONS}
+
+
+def _parse_value(tp: Any, value: Any, where: str) -> Any:
+    """Coerce ``value`` (from a file or the command line) to the annotated type ``tp``."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is typing.Union or (sys.version_info >= (3, 10) and origin is __import__("types").UnionType):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+            return None
+        inner = [a for a in args if a is not type(None)]
+        return _parse_value(inner[0], value, where)
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}={value!r}: expected one of {list(args)}")
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
+            return value.lower() in ("1", "true", "yes", "on")
+        raise ConfigError(f"{where}={value!r}: expected a boolean")
+    try:
+        if tp is int and isinstance(value, float) and not value.is_integer():
+            raise ValueError
+        return tp(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}={value!r}: expected {tp.__name__}") from None
+
+
+def _apply_mapping(cfg: PretrainConfig, mapping: dict, source: str) -> None:
+    classes = _section_classes()
+    for section, values in mapping.items():
+        if section not in classes:
+            raise ConfigError(f"{source}: unknown section {section!r}; expected one of {list(classes)}")
+        if not isinstance(values, dict):
+            raise ConfigError(f"{source}: section {section!r} must be a table/object")
+        obj = getattr(cfg, section)
+        hints = _hints(classes[section])
+        for name, value in values.items():
+            if name not in hints:
+                raise ConfigError(f"{source}: unknown field {section}.{name}; "
+                                  f"expected one of {sorted(hints)}")
+            setattr(obj, name, _parse_value(hints[name], value, f"{section}.{name}"))
+
+
+def load_config_file(path: str) -> dict:
+    """Read a TOML (``.toml``) or JSON (``.json``) config file into a nested dict.
+
+    TOML needs :mod:`tomllib` (Python 3.11+) or the ``tomli`` package.
+    Raises ConfigError naming the file for a missing file or bad syntax.
+    """
+    if not os.path.isfile(path):
+        raise ConfigError(f"config={path!r}: no such file")
+    try:
+        if path.endswith(".toml"):
+            try:
+                import tomllib
+            except ModuleNotFoundError:  # Python 3.10
+                try:
+                    import tomli as tomllib  # type: ignore[no-redef]
+                except ModuleNotFoundError:
+                    raise ConfigError(f"config={path!r}: reading TOML needs Python 3.11+ or "
+                                      "`pip install tomli`; or use a .json file") from None
+            with open(path, "rb") as f:
+                return tomllib.load(f)
+        if path.endswith(".json"):
+            with open(path) as f:
+                return json.load(f)
+    except (ValueError, OSError) as exc:
+        raise ConfigError(f"config={path!r}: {exc}") from exc
+    raise ConfigError(f"config={path!r}: expected a .toml or .json file")
+
+
+# ------------------------------------------------------------------ argparse
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The entry point's parser: ``--preset``, ``--config`` and one flag per config field."""
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m cp_rope.launch.pretrain",
+        description="Long-context pretraining with context parallelism (DP x CP DeviceMesh). "
+                    "Flags override the --config file, which overrides the --preset.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
+                   help="named model/training preset")
+    p.add_argument("--config", default=None, help="TOML or JSON file with [model], [data], [parallel], "
+                   "[optim], [train] tables")
+    for section, cls in _section_classes().items():
+        group = p.add_argument_group(section, cls.__doc__)
+        docs = _field_docs(cls)
+        defaults = cls()
+        for f in dataclasses.fields(cls):
+            tp = _hints(cls)[f.name]
+            kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
+                                  "help": f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r} "
+                                          "in the tiny preset)"}
+            if tp is bool:
+                kw["action"] = argparse.BooleanOptionalAction
+            elif typing.get_origin(tp) is Literal:
+                kw["choices"] = list(typing.get_args(tp))
+            else:
+                kw["type"] = str  # coerced by _parse_value, which names the field on error
+                kw["metavar"] = f.name.upper()
+            group.add_argument(_flag(f.name), **kw)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> PretrainConfig:
+    """Command line -> validated-shape :class:`PretrainConfig` (preset, then file, then flags).
+
+    Raises ConfigError naming the field for a value of the wrong type or an
+    unknown key; argparse exits with status 2 for an unknown flag.
+    """
+    args = build_parser().parse_args(argv)
+    cfg = preset(args.preset)
+    if args.config:
+        _apply_mapping(cfg, load_config_file(args.config), args.config)
+    flags: dict[str, dict] = {}
+    for key, value in vars(args).items():
+        if "." in key:
+            section, name = key.split(".", 1)
+            flags.setdefault(section, {})[name] = value
+    _apply_mapping(cfg, flags, "command line")
+    return cfg
+
+
+def to_dict(cfg: PretrainConfig) -> dict:
+    """Nested plain dict (JSON-serialisable), e.g. for logging the run's config."""
+    return {s: {f.name: getattr(getattr(cfg, s), f.name) for f in dataclasses.fields(getattr(cfg, s))}
+            for s in _SECTIONS}
+
+
+# ---------------------------------------------------------------- validation
+def _require(ok: bool, where: str, value: Any, why: str) -> None:
+    if not ok:
+        raise ConfigError(f"{where}={value!r}: {why}")
+
+
+def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
+    """Check every field that can be checked before any heavy work.
+
+    Args:
+        cfg: the config.
+        world_size: when given, also check that ``cp_size`` divides it.
+
+    Raises:
+        ConfigError: naming the first bad field (``section.field=value: why``).
+    """
+    m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
+    for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
+        _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
+    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
+    _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
+             f"head_dim = dim / n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
+             f"must divide model.n_heads={m.n_heads} (GQA)")
+    _require(m.vocab_size >= 0, "model.vocab_size", m.vocab_size, "must be >= 0 (0 = from the tokenizer)")
+    _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
+    _require(m.rope_base > 1, "model.rope_base", m.rope_base, "must be > 1")
+    _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _require(m.max_seq_len == 0 or m.max_seq_len >= d.seq_len, "model.max_seq_len", m.max_seq_len,
+             f"must be 0 or >= data.seq_len={d.seq_len}")
+    _require(p.cp_size >= 1, "parallel.cp_size", p.cp_size, "must be >= 1")
+    _require(p.timeout_s >= 1, "parallel.timeout_s", p.timeout_s, "must be >= 1")
+    if world_size is not None:
+        _require(world_size % p.cp_size == 0, "parallel.cp_size", p.cp_size,
+                 f"must divide the world size {world_size} (data-parallel size = world / cp_size "
+                 f"= {world_size} / {p.cp_size} is not an integer)")
+    _require(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2 tokens")
+    _require(d.seq_len % (2 * p.cp_size) == 0, "data.seq_len", d.seq_len,
+             f"must be a multiple of 2 * cp_size = {2 * p.cp_size} (zigzag CP chunks)")
+    _require(d.tokens_per_batch >= d.seq_len, "data.tokens_per_batch", d.tokens_per_batch,
+             f"must hold one sequence of data.seq_len={d.seq_len} tokens")
+    _require(d.max_docs is None or d.max_docs >= 1, "data.max_docs", d.max_docs, "must be >= 1")
+    _require(d.num_workers >= 0, "data.num_workers", d.num_workers, "must be >= 0")
+    if d.data is not None:
+        _require(os.path.exists(d.data), "data.data", d.data, "no such file or directory")
+        if d.data.endswith(".bin"):
+            _require(d.eos_id is not None, "data.eos_id", d.eos_id,
+                     "a pre-tokenized .bin corpus needs --eos-id (the id that ends each document)")
+            _require(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
+                     "a pre-tokenized .bin corpus needs --vocab-size")
+    if d.tokenizer is not None:
+        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "no such file")
+    _require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
+    _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
+    _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
+    _require(o.weight_decay >= 0, "optim.weight_decay", o.weight_decay, "must be >= 0")
+    _require(0 <= o.beta1 < 1, "optim.beta1", o.beta1, "must be in [0, 1)")
+    _require(0 <= o.beta2 < 1, "optim.beta2", o.beta2, "must be in [0, 1)")
+    _require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
+    _require(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
+    _require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    _require(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
+    _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")
+    _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0")
+    if t.device == "cuda":
+        import torch
+
+        _require(torch.cuda.is_available(), "train.device", t.device, "CUDA is not available")
+    _require(not (t.device == "cpu" and t.dtype == "bfloat16"), "train.dtype", t.dtype,
+             "bfloat16 training is for cuda; use float32 on cpu")

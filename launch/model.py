@@ -1,0 +1,180 @@
+"""A Llama-style decoder over packed THD batches with context parallelism.
+
+Token embedding -> ``n_layers`` x [RMSNorm -> GQA attention (cp_rope RoPE with
+the zigzag CP position formula, :func:`cp_rope.parallel.context_parallel_attention`
+over the CP group) -> residual, RMSNorm -> SwiGLU MLP -> residual] -> RMSNorm ->
+output head (Llama 2/3 architecture; torchtitan's ``llama3`` model is the
+closest reference). Inputs carry no batch dimension: ``[T]`` token ids of
+several documents concatenated, described by int32 ``cu_seqlens``; under CP
+each rank holds its zigzag shard and its *local* ``cu_seqlens``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from cp_rope import RotaryEmbedding
+from cp_rope.parallel import context_parallel_attention
+
+from .config import ModelConfig
+
+__all__ = ["Transformer", "count_params", "flops_per_step"]
+
+
+class Attention(nn.Module):
+    """GQA self-attention: ``x [T, dim] -> [T, dim]`` over packed, CP-sharded sequences."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
+        self.head_dim = cfg.dim // cfg.n_heads
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * self.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.wq(x).view(t, self.n_heads, self.head_dim)
+        k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
+        v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        q, k = rope(q, k, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
+                    cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, backend=ctx.rope_backend)
+        o = context_parallel_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, group=ctx.cp_group,
+                                       causal=True, method=ctx.cp_method, backend=ctx.attn_backend)
+        return self.wo(o.reshape(t, self.n_heads * self.head_dim))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, ctx)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class _Ctx:
+    """Per-forward batch layout and CP settings passed to every block."""
+
+    __slots__ = ("cu_seqlens", "max_seqlen", "cp_group", "cp_size", "cp_rank", "cp_method",
+                 "attn_backend", "rope_backend")
+
+    def __init__(self, **kw):
+        for k, v in kw.items():
+            setattr(self, k, v)
+
+
+class Transformer(nn.Module):
+    """Llama-style decoder (see the module docstring).
+
+    Args:
+        cfg: shapes; ``cfg.vocab_size`` and ``cfg.max_seq_len`` must be resolved (> 0).
+        cp_group: the context-parallel process group (the ``"cp"`` dim of the
+            mesh); ``None`` = no CP (this process holds whole sequences).
+        cp_method: ``"ring"`` or ``"allgather"`` (see context_parallel_attention).
+        attn_backend, rope_backend: kernel selection passed through.
+
+    ``forward(input_ids, cu_seqlens, max_seqlen) -> logits``:
+        input_ids: int64 ``[T]`` (this rank's zigzag shard under CP);
+        cu_seqlens: int32 ``[B + 1]``, the rank's local cu_seqlens;
+        max_seqlen: host int, longest local sequence;
+        returns ``[T, vocab_size]`` logits in the compute dtype.
+
+    Weights start from :meth:`init_weights` (normal ``init_std``; the output
+    projection of every residual branch scaled by ``1 / sqrt(2 n_layers)``,
+    GPT-2 / Megatron), which draws from the default torch generator: seed it
+    identically on every rank.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, cp_group: dist.ProcessGroup | None = None,
+                 cp_method: str = "ring", attn_backend: str = "auto", rope_backend: str = "auto"):
+        super().__init__()
+        if cfg.vocab_size < 1 or cfg.max_seq_len < 1:
+            raise ValueError(f"cfg.vocab_size={cfg.vocab_size} and cfg.max_seq_len={cfg.max_seq_len} "
+                             "must be resolved (>= 1) before building the model")
+        self.cfg = cfg
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
+        self.activation_checkpointing = cfg.activation_checkpointing
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, base=cfg.rope_base)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.dim() == 1:  # RMSNorm scales
+                nn.init.ones_(p)
+            elif name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+                nn.init.normal_(p, std=out_std)
+            else:
+                nn.init.normal_(p, std=std)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
+                ) -> torch.Tensor:
+        ctx = _Ctx(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), cp_group=self.cp_group,
+                   cp_size=self.cp_size, cp_rank=self.cp_rank, cp_method=self.cp_method,
+                   attn_backend=self.attn_backend, rope_backend=self.rope_backend)
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, self.rope, ctx, use_reentrant=False)
+            else:
+                h = layer(h, self.rope, ctx)
+        return self.output(self.norm(h))
+
+
+def count_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
+    """Number of parameters (global, also for FSDP2-sharded DTensors)."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embedding:
+        n -= sum(p.numel() for p in model.tok_embeddings.parameters())
+    return n
+
+
+def flops_per_step(cfg: ModelConfig, n_params_no_embedding: int, n_tokens: int,
+                   sum_sq_seqlens: float) -> float:
+    """Training FLOPs of one step (forward + backward = 3x forward), the MFU numerator.
+
+    ``6 * N * tokens`` for the matmuls (N without the embedding table, with the
+    output head; Kaplan et al. 2020 / PaLM appendix B) plus causal attention:
+    per layer, QK^T and PV cost ``2 * 2 * L^2 * head_dim`` per query head for a
+    full L x L score matrix, halved by the causal mask, times 3 for training:
+    ``6 * L^2 * n_heads * head_dim`` per layer per sequence, summed over the
+    *global* sequences (varlen: ``sum_sq_seqlens = sum L_b^2``).
+    """
+    attn = 6.0 * sum_sq_seqlens * cfg.n_heads * (cfg.dim // cfg.n_heads) * cfg.n_layers
+    return 6.0 * n_params_no_embedding * n_tokens + attn

@@ -1,0 +1,423 @@
+"""Long-context pretraining with context parallelism over a ``("dp", "cp")`` DeviceMesh.
+
+One node, CPU (gloo), the default tiny model on the Python stdlib corpus::
+
+    torchrun --standalone --nproc-per-node 2 -m cp_rope.launch.pretrain --cp-size 2
+
+One node, 8 GPUs (NCCL), 1B model, 128K-token sequences split over 4 ranks, 2 DP groups::
+
+    torchrun --standalone --nproc-per-node 8 -m cp_rope.launch.pretrain \\
+        --preset 1b --cp-size 4 --seq-mode concat --seq-len 131072 --tokens-per-batch 131072
+
+Two nodes x 8 GPUs (run on every node; the rendezvous endpoint is node 0)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id job42 \\
+        -m cp_rope.launch.pretrain --preset 8b --cp-size 8 --out-dir /shared/runs/8b
+
+(``launch/slurm_pretrain.sh`` does the same under SLURM.) World size = dp x
+cp; every rank of a CP group reads the same global batch and keeps its zigzag
+shard; the loss is the mean over every real token of the job
+(:func:`cp_rope.parallel.cp_cross_entropy`) and gradients are summed over all
+ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
+params, fp32 reduction), one all-reduce of the flat gradient on CPU.
+``python -m cp_rope.launch.pretrain --help`` lists every flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from cp_rope.parallel import cp_cross_entropy
+from cp_rope.parallel.mesh import ParallelDims
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .config import ConfigError, OptimConfig, PretrainConfig, parse_args, to_dict, validate
+from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
+from .metrics import MetricsLogger, peak_memory_gib, peak_tflops
+from .model import Transformer, count_params, flops_per_step
+
+__all__ = ["main", "run", "lr_lambda", "build_model", "train_step", "all_reduce_gradients"]
+
+
+# ------------------------------------------------------------------ pieces
+def lr_lambda(cfg: OptimConfig, total_steps: int):
+    """LR multiplier for optimizer step ``s`` (0-based): linear warmup to 1 over
+    ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``total_steps``."""
+
+    def fn(s: int) -> float:
+        if s < cfg.warmup_steps:
+            return (s + 1) / cfg.warmup_steps
+        span = max(1, total_steps - cfg.warmup_steps)
+        progress = min(1.0, (s - cfg.warmup_steps) / span)
+        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return fn
+
+
+def build_model(cfg: PretrainConfig, cp_group: dist.ProcessGroup | None, device: torch.device,
+                ) -> Transformer:
+    """The model on ``device`` with weights from ``cfg.train.seed`` (identical on every rank)."""
+    torch.manual_seed(cfg.train.seed)
+    with torch.device(device):
+        return Transformer(cfg.model, cp_group=cp_group, cp_method=cfg.parallel.cp_method,
+                           attn_backend=cfg.parallel.attn_backend,
+                           rope_backend=cfg.parallel.rope_backend)
+
+
+def apply_fsdp(model: Transformer, flat_mesh, param_dtype: torch.dtype) -> None:
+    """FSDP2 over the flattened dp-cp mesh: one unit per block plus the root.
+
+    Parameters are sharded over all dp x cp ranks (ZeRO-3); with a bf16
+    ``param_dtype`` compute runs in bf16 on fp32 master weights and gradients
+    are reduce-scattered in fp32 (torchtitan's default policy).
+    """
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=flat_mesh, mp_policy=mp)
+    fully_shard(model, mesh=flat_mesh, mp_policy=mp)
+
+
+def all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """SUM every parameter's gradient over ``group`` with one flat all-reduce (the CPU path).
+
+    Together with :func:`cp_cross_entropy`'s normalisation this gives every rank
+    the gradient of the single-process mean loss.
+    """
+    grads = [p.grad for p in model.parameters() if p.requires_grad]
+    if any(g is None for g in grads):
+        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
+        raise RuntimeError(f"parameters without a gradient: {missing[:5]}")
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, *,
+               grad_scale: float = 1.0, reduce_group: dist.ProcessGroup | None = None,
+               reduce_grads: bool = True) -> torch.Tensor:
+    """Forward, CP loss, backward and (CPU path) the gradient SUM over ``reduce_group``.
+
+    Args:
+        batch: this rank's :class:`~cp_rope.parallel.PackedBatch` shard, on the model's device.
+        loss_group: the dp x cp group the loss averages over (``None``: world).
+        grad_scale: backward of ``loss * grad_scale``: the world size under FSDP2,
+            whose reduce-scatter averages, so that the result is a SUM.
+        reduce_grads: all-reduce gradients here (no FSDP).
+
+    Returns: the detached loss (the mean over every real token of ``loss_group``).
+    """
+    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+    loss = cp_cross_entropy(logits, batch.labels, loss_group)
+    (loss * grad_scale if grad_scale != 1.0 else loss).backward()
+    if reduce_grads:
+        all_reduce_gradients(model, reduce_group)
+    return loss.detach()
+
+
+def _optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
+    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def _clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Global gradient L2 norm over all ranks (DTensor shards included); clip when ``max_norm > 0``."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
+    if hasattr(norm, "full_tensor"):  # DTensor with a Partial placement under FSDP2
+        norm = norm.full_tensor()
+    if max_norm > 0:
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
+    return norm
+
+
+class _Batches:
+    """The loader as an endless stream over epochs, counting batches consumed for resume."""
+
+    def __init__(self, loader, sampler):
+        if len(sampler) == 0:
+            raise ConfigError("data.tokens_per_batch: the corpus gives no batch to some "
+                              "data-parallel rank; use more data or fewer ranks")
+        self.loader, self.sampler = loader, sampler
+        self.consumed = 0
+        self._it = None
+
+    def state_dict(self) -> dict:
+        return self.sampler.state_dict(batches_consumed=self.consumed)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.sampler.load_state_dict(state)
+        self.consumed = int(state["batches_consumed"])
+        self._it = None
+
+    def __next__(self):
+        if self._it is None:
+            self._it = iter(self.loader)
+        try:
+            batch = next(self._it)
+        except StopIteration:
+            self.sampler.set_epoch(self.sampler.epoch + 1)
+            self.consumed = 0
+            self._it = iter(self.loader)
+            batch = next(self._it)
+        self.consumed += 1
+        return batch
+
+
+class _StopFlag:
+    """SIGTERM / SIGINT set a flag that the loop checks (agreed on by all ranks) between steps."""
+
+    def __init__(self):
+        self.signum = 0
+        self._old = {}
+
+    def __enter__(self):
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.signum = signum
+        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))  # a second signal: default
+
+    def __exit__(self, *exc):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+
+    def any_rank(self, device: torch.device) -> int:
+        flag = torch.tensor([self.signum], device=device)
+        if dist.get_world_size() > 1:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag.item())
+
+
+def _setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
+    """Initialise the process group (unless the caller did) and pick this rank's device.
+
+    The CUDA device comes from LOCAL_RANK and is set before NCCL starts; every
+    global rank question is asked of ``dist.get_rank()``.
+    """
+    want_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    if want_cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+    if dist.is_initialized():
+        return False, device
+    timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
+    backend = "nccl" if want_cuda else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+        dist.init_process_group(backend, timeout=timeout)
+    else:  # plain `python -m`: a one-process job
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    return True, device
+
+
+def _resolve(cfg: PretrainConfig, vocab_size: int) -> PretrainConfig:
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model))
+    if cfg.model.vocab_size == 0:
+        cfg.model.vocab_size = padded_vocab_size(vocab_size)
+    elif cfg.model.vocab_size < vocab_size:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size}: the tokenizer has {vocab_size} ids")
+    if cfg.model.max_seq_len == 0:
+        cfg.model.max_seq_len = cfg.data.seq_len
+    return cfg
+
+
+# ------------------------------------------------------------------ main loop
+def run(cfg: PretrainConfig) -> dict:
+    """Train with ``cfg`` inside an initialised process group (see :func:`main`).
+
+    Returns (on every rank) ``{"losses": {step: loss}, "first_loss", "last_loss",
+    "tokens_per_s", "steps_run", "start_step", "interrupted"}`` for this invocation;
+    ``step`` counts optimizer steps from 1.
+
+    Raises: ConfigError (bad field), FloatingPointError (non-finite loss or
+    gradient norm; the message names the step).
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    validate(cfg, world)
+    dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
+    device = torch.device("cuda", torch.cuda.current_device()) if (
+        cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
+    use_fsdp = device.type == "cuda"
+    dtype = {"auto": torch.bfloat16 if use_fsdp else torch.float32, "float32": torch.float32,
+             "bfloat16": torch.bfloat16}[cfg.train.dtype]
+    mesh = dims.build_mesh(device.type)
+    flat_mesh = dims.build_flat_mesh(device.type)
+    cp_group, loss_group = mesh["cp"].get_group(), flat_mesh.get_group()
+    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+
+    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    cfg = _resolve(cfg, corpus.vocab_size)
+    dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
+    loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
+                                   dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
+                                   pin_memory=use_fsdp)
+    batches = _Batches(loader, sampler)
+
+    model = build_model(cfg, cp_group, device)
+    n_params = count_params(model)
+    n_params_no_emb = count_params(model, exclude_embedding=True)
+    if use_fsdp:
+        apply_fsdp(model, flat_mesh, dtype)
+    else:
+        model.to(dtype)
+    optimizer = _optimizer(model, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
+
+    ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
+    step = 0
+    resume_from = latest_checkpoint(ckpt_root) if cfg.train.resume else None
+    if resume_from is not None:
+        step, sampler_state = load_checkpoint(resume_from, model, optimizer, scheduler,
+                                              batches.state_dict())
+        batches.load_state_dict(sampler_state)
+    else:
+        sampler.set_epoch(0)
+
+    log = MetricsLogger(cfg.train.out_dir, enabled=rank == 0, append=resume_from is not None,
+                        tensorboard=cfg.train.tensorboard, total_steps=cfg.train.steps,
+                        start_step=step, progress=cfg.train.progress)
+    if rank == 0:
+        with open(os.path.join(cfg.train.out_dir, "config.json"), "w") as f:
+            json.dump(to_dict(cfg), f, indent=2)
+    log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
+              f"{str(dtype).removeprefix('torch.')}{' FSDP2' if use_fsdp else ''}, "
+              f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
+              f"tokens ({cfg.data.data or 'python stdlib'}), {len(dataset)} examples, "
+              f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
+              + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
+
+    peak = peak_tflops(device, cfg.train.peak_tflops)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    start_step, losses, interrupted = step, {}, 0
+    window = torch.zeros(3, dtype=torch.float64)  # real tokens, attention L^2 sum, steps (this rank's share)
+    total_tokens, t_total, t_window = 0.0, 0.0, time.perf_counter()
+    model.train()
+    with _StopFlag() as stop:
+        while step < cfg.train.steps:
+            interrupted = stop.any_rank(device)
+            if interrupted:
+                log.write(f"signal {signal.Signals(interrupted).name} at step {step}: stopping")
+                break
+            t0 = time.perf_counter()
+            batch = next(batches).to(device, non_blocking=True)
+            optimizer.zero_grad(set_to_none=True)
+            loss = train_step(model, batch, loss_group, grad_scale=float(world) if use_fsdp else 1.0,
+                              reduce_group=loss_group, reduce_grads=not use_fsdp)
+            loss_val = float(loss)
+            if not math.isfinite(loss_val):
+                raise FloatingPointError(f"non-finite loss {loss_val} at step {step + 1}")
+            grad_norm = float(_clip_gradients(model, cfg.optim.grad_clip))
+            if not math.isfinite(grad_norm):
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {step + 1}")
+            lr = scheduler.get_last_lr()[0]
+            optimizer.step()
+            scheduler.step()
+            step += 1
+            losses[step] = loss_val
+            seq_lens = batch.seq_lens.double().cpu()
+            window += torch.tensor([float(seq_lens.sum()), float((seq_lens ** 2).sum()), 0.0]) / dims.cp
+            window[2] += 1
+            if step > start_step + 1:  # the first step (allocator, kernel set-up) is not timed
+                total_tokens += float(seq_lens.sum()) / dims.cp
+                t_total += time.perf_counter() - t0
+            log.advance(loss_val)
+            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+                sums = window.to(device)
+                if world > 1:
+                    dist.all_reduce(sums)  # global tokens and attention work since the last log
+                tokens, sq, n_steps = sums.tolist()
+                n_steps /= world
+                dt = time.perf_counter() - t_window
+                tps = tokens / dt
+                metrics = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+                           "tokens_per_s_per_gpu": tps / world,
+                           "peak_mem_gib": peak_memory_gib(device)}
+                if peak > 0:
+                    flops = flops_per_step(cfg.model, n_params_no_emb, int(tokens), sq)
+                    metrics["mfu"] = flops / dt / (peak * 1e12 * world)
+                log.log(step, metrics)
+                log.write(f"step {step:>6}/{cfg.train.steps} | loss {loss_val:.4f} | lr {lr:.2e} | "
+                          f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{device.type} | "
+                          + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
+                          + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")
+                window.zero_()
+                t_window = time.perf_counter()
+            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 \
+                    and step < cfg.train.steps:
+                save_checkpoint(ckpt_root, step, model, optimizer, scheduler, batches.state_dict(),
+                                cfg.train.keep_checkpoints)
+    if (interrupted and cfg.train.save_on_signal) or (not interrupted and cfg.train.save_final):
+        if step > start_step or interrupted:
+            path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, batches.state_dict(),
+                                   cfg.train.keep_checkpoints)
+            log.write(f"checkpoint: {path}")
+    summary = {"losses": losses, "start_step": start_step, "steps_run": step - start_step,
+               "interrupted": bool(interrupted), "first_loss": losses.get(start_step + 1),
+               "last_loss": losses.get(step)}
+    tps_all = torch.tensor([total_tokens, t_total], dtype=torch.float64, device=device)
+    if world > 1:
+        dist.all_reduce(tps_all)
+    summary["tokens_per_s"] = float(tps_all[0] / (tps_all[1] / world)) if tps_all[1] > 0 else float("nan")
+    if losses:
+        log.write(f"done: steps {start_step + 1}..{step}: loss {summary['first_loss']:.4f} (first) -> "
+                  f"{summary['last_loss']:.4f} (last); {summary['tokens_per_s']:,.0f} tokens/s "
+                  f"({summary['tokens_per_s'] / world:,.0f} per rank), peak mem "
+                  f"{peak_memory_gib(device):.2f} GiB")
+    log.close()
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point: parse ``argv``, validate, set up the process group, :func:`run`, clean up.
+
+    Works under torchrun (env:// rendezvous), as a plain one-process
+    ``python -m cp_rope.launch.pretrain``, and when called inside an already
+    initialised process group (tests), which it then leaves initialised.
+    """
+    cfg = parse_args(argv)
+    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    created, _ = _setup_distributed(cfg)
+    try:
+        return run(cfg)
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cli() -> None:
+    try:
+        summary = main()
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if summary["interrupted"]:
+        raise SystemExit(130)
+
+
+if __name__ == "__main__":
+    _cli()

@@ -1,0 +1,88 @@
+"""Cross-entropy whose value and gradient match the single-process loss under CP x DP.
+
+Normalisation (Megatron-core's "per-token loss" / torchtitan's global token
+count): with ``S_r`` the sum of per-token CE over the non-ignored labels of
+rank ``r`` and ``N = sum_r n_r`` the number of non-ignored labels of the whole
+group,
+
+    loss        = (sum_r S_r) / N                  (returned on every rank)
+    d loss_r    = d S_r / N                        (what each rank back-propagates)
+
+so that the gradient **SUM** over the same group (all-reduce SUM on CPU, or a
+reduce-scatter AVG with the backward scaled by the group size, as FSDP2 does)
+equals the gradient of the single-process mean over all N tokens. Dividing by
+the *local* count instead would weight a rank holding one real token like a
+rank holding thousands (the error Megatron-core fixed by moving to a global
+token count). ``N`` comes from an all-reduce without gradient; ``N = 0`` (a
+batch whose labels are all ignored) gives loss 0 and gradients exactly 0.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["cp_cross_entropy"]
+
+
+class _GroupMean(torch.autograd.Function):
+    """Forward: ``global_sum / count``; backward: ``grad / count`` into the local sum only."""
+
+    @staticmethod
+    def forward(ctx, local_sum, global_sum, count):
+        ctx.save_for_backward(count)
+        return global_sum / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        (count,) = ctx.saved_tensors
+        return grad / count, None, None
+
+
+def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
+                     group: dist.ProcessGroup | None = None, *,
+                     ignore_index: int = -100) -> torch.Tensor:
+    """Mean next-token cross-entropy over every non-ignored label of ``group``.
+
+    Args:
+        logits: ``[T, V]`` float (any float dtype; the CE is computed in at
+            least float32), this rank's rows (a CP shard of a packed batch).
+        labels: ``[T]`` integer, the matching targets; ``ignore_index`` marks
+            rows without a target (a document's last token, padding).
+        group: the process group whose tokens form the mean: the flattened
+            dp x cp group (default: the world when ``torch.distributed`` is
+            initialised, else this process alone).
+        ignore_index: label value to skip.
+
+    Returns:
+        0-dim tensor in the compute dtype: the same value on every rank of
+        ``group``, equal to ``F.cross_entropy`` (mean) over the concatenated
+        labels of all ranks. Its gradient is this rank's share (see the module
+        docstring): gradients must be **summed** over ``group``.
+
+    Raises:
+        ValueError: shapes that do not match (naming the argument).
+        TypeError: non-integer labels or non-float logits.
+
+    Cost: one all-reduce of two float64 scalars (the loss sum and the count).
+    """
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
+        raise ValueError(f"labels must be [T] with T = logits.shape[0] = {logits.shape[0]}, "
+                         f"got shape {tuple(labels.shape)}")
+    if labels.is_floating_point() or labels.dtype == torch.bool:
+        raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
+                                reduction="sum")
+    stats = torch.stack([local_sum.detach().to(torch.float64),
+                         (labels != ignore_index).sum().to(torch.float64)])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    global_sum = stats[0].to(compute_dtype)
+    count = stats[1].clamp(min=1.0).to(compute_dtype)
+    return _GroupMean.apply(local_sum, global_sum, count)
