@@ -25,6 +25,8 @@ _EXPORTS = {
     "context_parallel_attention": "attention",
     # loss
     "cp_cross_entropy": "loss",
+    # process groups / DeviceMesh
+    "ParallelDims": "mesh",
 }
 
 __all__ = sorted(_EXPORTS)
