@@ -107,9 +107,9 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     idx = cp_shard_indices(batch.cu_seqlens, cp_size, cp_rank).to(batch.input_ids.device)
     return dataclasses.replace(
         batch,
-        input_ids=batch.input_ids[idx],
-        labels=batch.labels[idx],
-        position_ids=batch.position_ids[idx],
+        input_ids=batch.input_ids.index_select(0, idx),
+        labels=batch.labels.index_select(0, idx),
+        position_ids=batch.position_ids.index_select(0, idx),
         cu_seqlens=torch.div(batch.cu_seqlens, cp_size, rounding_mode="floor"),
         max_seqlen=batch.max_seqlen // cp_size,
         cp_size=cp_size,
