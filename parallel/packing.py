@@ -156,17 +156,29 @@ def _as_int_array(x: Any, field: str, i: int) -> np.ndarray:
     return x.astype(np.int64, copy=False)
 
 
-def _span_example(example: Any, start: int, end: int) -> dict:
-    """Tokens ``[start, end)`` of an example, as an example whose ``span`` marks them.
+def _doc_length(example: Any) -> int:
+    """Tokens of an example that enter a batch: its ``span`` if it has one, else all ids."""
+    if isinstance(example, Mapping):
+        if example.get("span") is not None:
+            return int(example["span"][1]) - int(example["span"][0])
+        return len(example["input_ids"])
+    return len(example)
 
-    The returned ids run one token past ``end`` (when the document has one), so
-    the collator labels the span's last token with the document's next token.
+
+def _span_example(example: Any, start: int, end: int) -> dict:
+    """Tokens ``[start, end)`` of an example's document, as an example whose ``span`` marks them.
+
+    The document is the example's own ``span`` when it has one (offsets are
+    relative to it). The returned ids run one token past ``end`` (when the
+    example has one), so the collator labels the span's last token with the
+    next token, as it would in the whole example.
     """
     ex = example if isinstance(example, Mapping) else {"input_ids": example}
-    stop = end + 1
-    out = {"input_ids": ex["input_ids"][start:stop], "span": (0, end - start)}
+    base = 0 if ex.get("span") is None else int(ex["span"][0])
+    lo, stop = base + start, base + end + 1
+    out = {"input_ids": ex["input_ids"][lo:stop], "span": (0, end - start)}
     if ex.get("labels") is not None:
-        out["labels"] = ex["labels"][start:stop]
+        out["labels"] = ex["labels"][lo:stop]
     return out
 
 
@@ -486,7 +498,14 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
     def __init__(self, lengths: Sequence[int] | np.ndarray | torch.Tensor, max_tokens: int, *,
                  cp_size: int = 1, window: int = 1024, shuffle: bool = True, seed: int = 0,
                  dp_size: int = 1, dp_rank: int = 0, drop_last: bool = False):
-        lengths = _as_int_array(lengths, "lengths", 0) if len(lengths) else np.empty(0, np.int64)
+        if isinstance(lengths, torch.Tensor):
+            lengths = lengths.detach().cpu().numpy()
+        lengths = np.asarray(lengths)
+        if lengths.ndim != 1:
+            raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
+        if lengths.size and lengths.dtype.kind not in "iu":
+            raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
+        lengths = lengths.astype(np.int64)
         if lengths.size and int(lengths.min()) < 0:
             raise ValueError(f"lengths must be >= 0, got {int(lengths.min())} at index "
                              f"{int(lengths.argmin())}")
@@ -624,6 +643,9 @@ class SpanDataset(torch.utils.data.Dataset):
     ``"span"`` so that :class:`PackingCollator` packs tokens ``[start, end)``
     of document ``i`` and labels the last of them with the document's next
     token (only ``[start, end]`` is sliced out of ``input_ids``/``labels``).
+    An example that already has a ``"span"`` is a document of that span:
+    ``start``/``end`` are relative to it (and the sampler's ``lengths`` are
+    span lengths).
     """
 
     def __init__(self, dataset: Any):
@@ -680,8 +702,7 @@ def pack_iterable(examples: Iterable[Any], max_tokens: int, *, cp_size: int = 1,
         costs[:] = [costs[k] for k in keep]
 
     for ex in examples:
-        ids = ex["input_ids"] if isinstance(ex, Mapping) else ex
-        n = len(ids)
+        n = _doc_length(ex)
         cost = int(_padded(n, m))
         for s, e in _budget_pieces(n, cost, piece):
             buf.append(ex if cost <= piece else _span_example(ex, s, e))

@@ -195,6 +195,11 @@ def test_span_dataset_spans():
     assert b.labels.tolist() == [1105, 1106, 1107, 1108, 1109, IGNORE, 1117, 1118, 1119, IGNORE]
     assert b.position_ids.tolist() == [0, 1, 2, 3, 4, 5, 0, 1, 2, 3]
     assert b.seq_lens.tolist() == [5, 4]
+    # An example with its own span is a document of that span; offsets are relative to it.
+    inner = SpanDataset([{"input_ids": doc, "span": (10, 18)}])
+    b = PackingCollator()([inner[(0, 2, 8)]])
+    assert b.input_ids.tolist() == [112, 113, 114, 115, 116, 117]
+    assert b.labels.tolist() == [113, 114, 115, 116, 117, 118]
 
 
 def test_packed_batch_pickle_and_to():
@@ -429,6 +434,10 @@ def test_bad_labels_length():
 def test_bad_sampler_lengths():
     with pytest.raises(ValueError, match="lengths must be >= 0"):
         TokenBudgetBatchSampler([3, -1], 8)
+    with pytest.raises(TypeError, match="lengths must hold integers"):
+        TokenBudgetBatchSampler([3.5], 8)
+    with pytest.raises(ValueError, match="lengths must be 1-D"):
+        TokenBudgetBatchSampler([[3]], 8)
     with pytest.raises(ValueError, match="dp_rank"):
         TokenBudgetBatchSampler([3], 8, dp_size=2, dp_rank=2)
 
