@@ -201,6 +201,22 @@ def _positive_int(value: Any, name: str, allow_none: bool = False) -> None:
         raise ValueError(f"{name} must be >= 1, got {value}")
 
 
+def _check_budget(max_tokens: Any, cp_size: int) -> None:
+    """``max_tokens`` must hold at least one CP-padded token group (``2 * cp_size``)."""
+    _positive_int(max_tokens, "max_tokens")
+    if max_tokens < 2 * cp_size:
+        raise ValueError(f"max_tokens={max_tokens} is smaller than 2 * cp_size = {2 * cp_size}: "
+                         "no token fits")
+
+
+def _check_dp(dp_size: Any, dp_rank: Any) -> None:
+    _positive_int(dp_size, "dp_size")
+    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
+        raise TypeError(f"dp_rank must be an int, got {type(dp_rank).__name__}")
+    if not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank must satisfy 0 <= dp_rank < dp_size={dp_size}, got {dp_rank}")
+
+
 # --------------------------------------------------------------------------------------
 # Collator
 # --------------------------------------------------------------------------------------
@@ -262,9 +278,8 @@ class PackingCollator:
         if pad_to_multiple is not None and pad_to_multiple % m:
             raise ValueError(f"pad_to_multiple={pad_to_multiple} must be a multiple of "
                              f"2 * cp_size = {m}")
-        _positive_int(max_tokens, "max_tokens", allow_none=True)
-        if max_tokens is not None and max_tokens < m:
-            raise ValueError(f"max_tokens={max_tokens} is smaller than 2 * cp_size = {m}")
+        if max_tokens is not None:
+            _check_budget(max_tokens, cp_size)
         _positive_int(max_seqlen, "max_seqlen", allow_none=True)
         if max_seqlen is not None and max_seqlen % m:
             raise ValueError(f"max_seqlen={max_seqlen} must be a multiple of 2 * cp_size = {m}")
@@ -421,6 +436,8 @@ def _first_fit_decreasing(costs: np.ndarray, budget: int) -> list[np.ndarray]:
     with room (Johnson's FFD: at most 11/9 OPT + 6/9 bins). Every cost must be
     ``<= budget``. One numpy scan over the open bins per item.
     """
+    if costs.size == 0:
+        return []
     order = np.argsort(-costs, kind="stable")
     room = np.empty(costs.size, np.int64)
     assign = np.empty(costs.size, np.int64)
@@ -510,17 +527,10 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
             raise ValueError(f"lengths must be >= 0, got {int(lengths.min())} at index "
                              f"{int(lengths.argmin())}")
         check_cp_args(cp_size, 0)
-        _positive_int(max_tokens, "max_tokens")
-        m = 2 * cp_size
-        if max_tokens < m:
-            raise ValueError(f"max_tokens={max_tokens} is smaller than 2 * cp_size = {m}: "
-                             "no token fits")
+        _check_budget(max_tokens, cp_size)
         _positive_int(window, "window")
-        _positive_int(dp_size, "dp_size")
-        if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
-            raise TypeError(f"dp_rank must be an int, got {type(dp_rank).__name__}")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must satisfy 0 <= dp_rank < dp_size={dp_size}, got {dp_rank}")
+        _check_dp(dp_size, dp_rank)
+        m = 2 * cp_size
         self.lengths, self.max_tokens, self.cp_size = lengths, max_tokens, cp_size
         self.window, self.shuffle, self.seed = window, shuffle, seed
         self.dp_size, self.dp_rank, self.drop_last = dp_size, dp_rank, drop_last
@@ -684,11 +694,9 @@ def pack_iterable(examples: Iterable[Any], max_tokens: int, *, cp_size: int = 1,
     Raises: ``ValueError`` for ``max_tokens < 2 * cp_size`` or ``buffer_size < 1``.
     """
     check_cp_args(cp_size, 0)
-    _positive_int(max_tokens, "max_tokens")
+    _check_budget(max_tokens, cp_size)
     _positive_int(buffer_size, "buffer_size")
     m = 2 * cp_size
-    if max_tokens < m:
-        raise ValueError(f"max_tokens={max_tokens} is smaller than 2 * cp_size = {m}")
     piece = max_tokens // m * m
     buf: list[Any] = []
     costs: list[int] = []
@@ -729,10 +737,8 @@ class PackedIterableDataset(IterableDataset):
 
     def __init__(self, source: Iterable[Any], collator: PackingCollator, max_tokens: int, *,
                  buffer_size: int = 1024, dp_size: int = 1, dp_rank: int = 0):
-        _positive_int(dp_size, "dp_size")
-        if not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must satisfy 0 <= dp_rank < dp_size={dp_size}, got {dp_rank}")
-        _positive_int(max_tokens, "max_tokens")
+        _check_dp(dp_size, dp_rank)
+        _check_budget(max_tokens, collator.cp_size)
         self.source, self.collator, self.max_tokens = source, collator, max_tokens
         self.buffer_size, self.dp_size, self.dp_rank = buffer_size, dp_size, dp_rank
 
