@@ -684,8 +684,8 @@ def pack_iterable(examples: Iterable[Any], max_tokens: int, *, cp_size: int = 1,
     batches of at most ``max_tokens`` tokens (padding for ``cp_size`` included).
 
     Up to ``buffer_size`` items are buffered; when full, they are packed by
-    first-fit-decreasing and every batch but the last-opened (least full)
-    one is yielded, whose items stay for the next round. A document longer
+    first-fit-decreasing and every batch but the last-opened one (usually
+    the emptiest) is yielded; its items stay for the next round. A document longer
     than the budget is split into spans (as :class:`TokenBudgetBatchSampler`
     does). Memory: at most ``buffer_size`` examples plus one document's pieces.
     Order is deterministic for a given stream. Empty documents are passed on
