@@ -58,7 +58,8 @@ class Block:
     max_q: int
     """Host upper bound of every segment's query length."""
     max_k: int
-    """Host upper bound of every segment's key length (0: the block sees no key)."""
+    """Host upper bound of every segment's key length, segments without queries included
+    (flash's backward grid spans max_k keys; 0: the block sees no key)."""
     causal: bool
     """Causal inside segments (query and key lengths equal wherever both are non-empty)."""
     dense: tuple[tuple[int, int, int, int], ...] | None = None
@@ -218,7 +219,7 @@ class _Cudnn:
 
     def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
         grads = []
-        for (q0, nq, k0, nk), seg_aux in zip(blk.dense, aux):
+        for (q0, nq, k0, nk), seg_aux in zip(blk.dense, aux, strict=True):
             dq, dk, dv = _compat.torch_cudnn_bwd(
                 self._bhsd(dout, q0, nq), self._bhsd(q, q0, nq), self._bhsd(k, k0, nk),
                 self._bhsd(v, k0, nk), self._bhsd(out, q0, nq), lse[:, q0:q0 + nq].unsqueeze(0),

@@ -87,7 +87,7 @@ def torch_flash_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, ca
 
 # ----------------------------------------------------------------- cuDNN (dense)
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def torch_cudnn_available() -> bool:
     """cuDNN SDPA ops exist, cuDNN >= 9 is loaded and the GPU is sm80+."""
     if TORCH_VERSION < _MIN_TORCH or not torch.cuda.is_available():
@@ -122,7 +122,7 @@ def torch_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
 
 # ----------------------------------------------------------------- flash_attn package
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _flash_attn_interface():
     try:
         import flash_attn

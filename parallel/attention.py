@@ -215,7 +215,7 @@ def _check_across_ranks(group, q, k, cu, max_seqlen, causal, method, seq_lens):
                  "seq_lens given", "cu_seqlens[-1]", "cu_seqlens checksum", "seq_lens sum")
         def show(r):
             vals = [tuple(r[0:3]), tuple(r[3:6]), str(_DTYPES[r[6]]), *r[7:]]
-            return ", ".join(f"{n}={x}" for n, x in zip(names, vals))
+            return ", ".join(f"{n}={x}" for n, x in zip(names, vals, strict=True))
         detail = "\n".join(f"  rank {i}: {show(r)}" for i, r in enumerate(rows))
         raise RuntimeError("context_parallel_attention: inputs differ across the ranks of the CP "
                            f"group:\n{detail}")
@@ -282,8 +282,10 @@ class _Plan:
             # local: each half causally against itself; global: unmasked prefixes
             self.local = [seg([a, a + h], end, [a, a + h], end, M // 2, M // 2, True)]
             pre1, pre2 = r, 2 * C - 1 - r  # chunks before chunk r / before chunk 2C-1-r
+            # max_k bounds every segment, the skipped tail ((2C - r) chunks) too: flash's
+            # backward grid covers max_k keys and must write dK/dV = 0 there
             self.glob = [seg([a, a + h, e], end, [ga, ga + pre1 * h, ga + pre1 * h], gend,
-                             M // 2, pre1 * (M // 2), False),
+                             M // 2, (2 * C - r) * (M // 2) if r > 0 else 0, False),
                          seg([a, a + h, e], end, [ga, ga, ga + pre2 * h], gend,
                              M // 2, pre2 * (M // 2), False)]
         else:
@@ -315,11 +317,14 @@ def _acc_dtype(dtype):
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _merge_into(out_acc, lse_acc, parts):
+def _merge_into(out_acc, lse_acc, parts, first: bool):
+    """Merge a block's partials into the accumulators (the first block is copied)."""
     for row0, o, lse in parts:
-        n = o.shape[0]
-        rows = slice(row0, row0 + n)
-        out_acc[rows], lse_acc[:, rows] = merge_partials(out_acc[rows], lse_acc[:, rows], o, lse)
+        rows = slice(row0, row0 + o.shape[0])
+        if first:  # parts of one block are disjoint; rows it leaves out stay (0, -inf)
+            out_acc[rows], lse_acc[:, rows] = o, lse
+        else:
+            out_acc[rows], lse_acc[:, rows] = merge_partials(out_acc[rows], lse_acc[:, rows], o, lse)
 
 
 def _add_grads(dq_acc, dk_acc, dv_acc, grads):
@@ -343,8 +348,7 @@ class _Gather:
 
     def wait(self):
         self.work.wait()
-        two, T = self.shape[0], self.shape[1]
-        flat = self.buf.transpose(0, 1).reshape(two, -1, *self.shape[2:])  # [2, C*T, Hkv, D]
+        flat = self.buf.transpose(0, 1).reshape(self.shape[0], -1, *self.shape[2:])  # [2, C*T, Hkv, D]
         return flat.index_select(1, self.plan.global_index)
 
 
@@ -380,7 +384,7 @@ class _CPAttention(torch.autograd.Function):
                 kk, vv = (k, v) if i == 0 else (kv[0], kv[1])
                 parts, aux = be.forward(q, kk, vv, blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts)
+                _merge_into(out_acc, lse_acc, parts, first=i == 0)
                 if i + 1 < C:
                     kv = ring.wait()
         else:
@@ -388,12 +392,12 @@ class _CPAttention(torch.autograd.Function):
             for blk in plan.local:
                 parts, aux = be.forward(q, k, v, blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts)
+                _merge_into(out_acc, lse_acc, parts, first=len(auxs) == 1)
             kv = gather.wait()
             for blk in plan.glob:
                 parts, aux = be.forward(q, kv[0], kv[1], blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts)
+                _merge_into(out_acc, lse_acc, parts, first=len(auxs) == 1)
         valid = plan.valid_rows
         out = torch.where(valid[:, None, None], out_acc, 0.0).to(q.dtype)
         lse = torch.where(valid[None, :], lse_acc, NEG_INF)
@@ -428,11 +432,11 @@ class _CPAttention(torch.autograd.Function):
             dkv = dkv_ring.wait()  # back at the owner
         else:
             gather = _Gather(torch.stack([k, v]), group, plan)
-            for blk, aux in zip(plan.local, auxs):
+            for blk, aux in zip(plan.local, auxs[:len(plan.local)], strict=True):
                 _add_grads(dq, dkv[0], dkv[1], be.backward(dout, q, k, v, out, lse, blk, scale, aux))
             kv = gather.wait()
             dkv_glob = torch.zeros((2, *kv.shape[1:]), dtype=acc, device=q.device)
-            for blk, aux in zip(plan.glob, auxs[len(plan.local):]):
+            for blk, aux in zip(plan.glob, auxs[len(plan.local):], strict=True):
                 grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, aux)
                 _add_grads(dq, dkv_glob[0], dkv_glob[1], grads)
             dkv += _scatter_global_grads(dkv_glob, plan, group, q.shape[0])

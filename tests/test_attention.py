@@ -17,12 +17,11 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from dist_utils import run_distributed
-from utils import assert_close
-
 from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
 from cp_rope.parallel._blocks import Block, get_backend, merge_partials
 from cp_rope.parallel.sharding import local_cu_seqlens
+from dist_utils import run_distributed
+from utils import assert_close
 
 F64_EXACT = {"atol": 1e-10, "rtol": 0.0}
 
@@ -30,7 +29,8 @@ F64_EXACT = {"atol": 1e-10, "rtol": 0.0}
 # --------------------------------------------------------------------------- oracle
 
 def naive_attention(q, k, v, cu, causal, scale, seq_lens=None):
-    """Per-sequence masked softmax attention (float64, autograd); rows past cu[-1] -> 0."""
+    """Per-sequence masked softmax attention in q's dtype and device (autograd); rows past
+    cu[-1] -> 0. The oracle of the CPU (float64) and GPU (float32) parity tests."""
     g = q.shape[1] // k.shape[1]
     pieces = []
     cu = cu.tolist()
@@ -39,11 +39,11 @@ def naive_attention(q, k, v, cu, causal, scale, seq_lens=None):
         n = e - s
         kb, vb = k[s:e].repeat_interleave(g, 1), v[s:e].repeat_interleave(g, 1)
         scores = torch.einsum("qhd,khd->hqk", q[s:e], kb) * scale
-        mask = torch.ones(n, n, dtype=torch.bool)
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device)
         if causal:
             mask = torch.tril(mask)
         if seq_lens is not None:
-            mask = mask & (torch.arange(n) < int(seq_lens[b]))[None, :]
+            mask = mask & (torch.arange(n, device=q.device) < int(seq_lens[b]))[None, :]
         has = mask.any(-1)[:, None]
         scores = torch.where(has, scores.masked_fill(~mask, float("-inf")), 0.0)
         p = torch.softmax(scores, -1) * has
@@ -129,7 +129,7 @@ def test_reference_block_matches_naive_softmax(causal):
     dout = _rand(gen, n_q, hq, d)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
     [(q0, dq, k0, dk, dv)] = be.backward(dout, q, k, v, out, lse, blk, scale, None)
-    for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads):
+    for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, strict=True):
         assert_close(got, exp, **F64_EXACT, name=name)
 
 
@@ -151,7 +151,7 @@ def test_single_process_padding_rows_and_float32():
         tol = F64_EXACT if dtype == torch.float64 else {}
         assert out.dtype == dtype
         assert_close(out, ref, dtype=dtype, **tol, name=f"out {dtype}")
-        for name, got, exp in zip(("dq", "dk", "dv"), (qx.grad, kx.grad, vx.grad), ref_grads):
+        for name, got, exp in zip(("dq", "dk", "dv"), (qx.grad, kx.grad, vx.grad), ref_grads, strict=True):
             assert_close(got, exp, dtype=dtype, **tol, name=f"{name} {dtype}")
             assert torch.equal(got[int(cu[-1]):], torch.zeros_like(got[int(cu[-1]):]))
         assert torch.equal(out[int(cu[-1]):], torch.zeros_like(out[int(cu[-1]):]))
@@ -229,7 +229,7 @@ def _parity_body(rank, world_size):
             for got in (out, ql.grad, kl.grad, vl.grad):
                 assert torch.equal(got[n_local:], torch.zeros_like(got[n_local:])), tag
             for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),
-                                      (ref, *ref_grads)):
+                                      (ref, *ref_grads), strict=True):
                 assert_close(unshard(got.detach(), local_cu, group), exp, **F64_EXACT,
                              name=f"{tag} {name}")
     if world_size > 1:
