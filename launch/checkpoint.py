@@ -74,6 +74,9 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
                   "world_size": dist.get_world_size()},
         f"rank{rank}": {"sampler": sampler_state, "rng": _rng_state()},
     }
+    if rank == 0 and os.path.isdir(path):  # a stale save of the same step (e.g. interrupted)
+        shutil.rmtree(path)
+    dist.barrier()
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
     if keep > 0 and rank == 0:

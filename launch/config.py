@@ -134,6 +134,8 @@ class TrainConfig:
 
     steps: int = 120
     """Optimizer steps to train (total, including steps before a resume)."""
+    stop_at_step: int | None = None
+    """Stop (saving a checkpoint) after this step although the LR schedule spans `steps`, e.g. to fit a job time limit; resume later with --resume."""
     seed: int = 0
     """Seed of the weight init and the data order."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -233,11 +235,11 @@ def _field_docs(cls: type) -> dict[str, str]:
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body  # type: ignore[attr-defined]
     docs = {}
-    for node, nxt in zip(body, body[1:]):
+    for node, nxt in zip(body, body[1:], strict=False):
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split())
+            docs[node.target.id] = " ".join(nxt.value.value.split()).replace("%", "%%")
     return docs
 
 
@@ -325,13 +327,17 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def build_parser() -> argparse.ArgumentParser:
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Defaults in the flag help, the epilog (command lines) verbatim."""
+
+
+def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     """The entry point's parser: ``--preset``, ``--config`` and one flag per config field."""
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m cp_rope.launch.pretrain",
         description="Long-context pretraining with context parallelism (DP x CP DeviceMesh). "
                     "Flags override the --config file, which overrides the --preset.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        epilog=epilog, formatter_class=_HelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="named model/training preset")
     p.add_argument("--config", default=None, help="TOML or JSON file with [model], [data], [parallel], "
@@ -356,13 +362,13 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: list[str] | None = None) -> PretrainConfig:
+def parse_args(argv: list[str] | None = None, epilog: str | None = None) -> PretrainConfig:
     """Command line -> validated-shape :class:`PretrainConfig` (preset, then file, then flags).
 
     Raises ConfigError naming the field for a value of the wrong type or an
     unknown key; argparse exits with status 2 for an unknown flag.
     """
-    args = build_parser().parse_args(argv)
+    args = build_parser(epilog).parse_args(argv)
     cfg = preset(args.preset)
     if args.config:
         _apply_mapping(cfg, load_config_file(args.config), args.config)
@@ -442,6 +448,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
     _require(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
     _require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    _require(t.stop_at_step is None or t.stop_at_step >= 1, "train.stop_at_step", t.stop_at_step,
+             "must be >= 1")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")

@@ -36,9 +36,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset
-
 from cp_rope.parallel import PackingCollator, SpanDataset, TokenBudgetBatchSampler
+from torch.utils.data import DataLoader, Dataset
 
 from .config import ConfigError, DataConfig
 

@@ -37,7 +37,6 @@ import time
 
 import torch
 import torch.distributed as dist
-
 from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
@@ -317,8 +316,10 @@ def run(cfg: PretrainConfig) -> dict:
     window = torch.zeros(3, dtype=torch.float64)  # real tokens, attention L^2 sum, steps (this rank's share)
     total_tokens, t_total, t_window = 0.0, 0.0, time.perf_counter()
     model.train()
+    last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
+                                                                       cfg.train.stop_at_step)
     with _StopFlag() as stop:
-        while step < cfg.train.steps:
+        while step < last:
             interrupted = stop.any_rank(device)
             if interrupted:
                 log.write(f"signal {signal.Signals(interrupted).name} at step {step}: stopping")
@@ -346,7 +347,7 @@ def run(cfg: PretrainConfig) -> dict:
                 total_tokens += float(seq_lens.sum()) / dims.cp
                 t_total += time.perf_counter() - t0
             log.advance(loss_val)
-            if step % cfg.train.log_every == 0 or step == cfg.train.steps:
+            if step % cfg.train.log_every == 0 or step == last:
                 sums = window.to(device)
                 if world > 1:
                     dist.all_reduce(sums)  # global tokens and attention work since the last log
@@ -368,7 +369,7 @@ def run(cfg: PretrainConfig) -> dict:
                 window.zero_()
                 t_window = time.perf_counter()
             if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 \
-                    and step < cfg.train.steps:
+                    and step < last:
                 save_checkpoint(ckpt_root, step, model, optimizer, scheduler, batches.state_dict(),
                                 cfg.train.keep_checkpoints)
     if (interrupted and cfg.train.save_on_signal) or (not interrupted and cfg.train.save_final):
@@ -399,7 +400,7 @@ def main(argv: list[str] | None = None) -> dict:
     ``python -m cp_rope.launch.pretrain``, and when called inside an already
     initialised process group (tests), which it then leaves initialised.
     """
-    cfg = parse_args(argv)
+    cfg = parse_args(argv, epilog=__doc__)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     created, _ = _setup_distributed(cfg)
     try:

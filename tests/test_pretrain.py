@@ -1,0 +1,152 @@
+"""The pretraining entry point end to end: resume bit-for-bit, faults, bad configs, LR schedule."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_utils import run_distributed  # noqa: E402
+
+from cp_rope.launch import pretrain  # noqa: E402
+from cp_rope.launch.config import ConfigError, OptimConfig, build_parser, parse_args, validate  # noqa: E402
+from cp_rope.launch.pretrain import lr_lambda, main  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A model and corpus slice small enough for a few steps per second on one CPU core.
+TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+        "--ffn-hidden-dim", "64", "--seq-len", "128", "--tokens-per-batch", "512",
+        "--max-docs", "40", "--warmup-steps", "2", "--log-every", "1", "--no-progress",
+        "--no-tensorboard"]
+
+
+def _resume_body(rank: int, world: int, tmp: str) -> None:
+    for cp in (2, 1):  # world 2: dp 1 x cp 2, then dp 2 x cp 1 (per-rank sampler states)
+        common = TINY + ["--cp-size", str(cp), "--steps", "6"]
+        full = main(common + ["--out-dir", f"{tmp}/full{cp}"])
+        first = main(common + ["--out-dir", f"{tmp}/split{cp}", "--stop-at-step", "3"])
+        second = main(common + ["--out-dir", f"{tmp}/split{cp}", "--resume"])
+        assert sorted(full["losses"]) == [1, 2, 3, 4, 5, 6]
+        assert sorted(first["losses"]) == [1, 2, 3] and second["start_step"] == 3
+        assert sorted(second["losses"]) == [4, 5, 6]
+        joined = {**first["losses"], **second["losses"]}
+        for step, loss in full["losses"].items():  # bit-for-bit, not approximately
+            assert joined[step] == loss, (f"cp={cp} step {step}: resumed run loss {joined[step]!r} "
+                                          f"!= uninterrupted {loss!r}")
+        assert full["last_loss"] < full["first_loss"]
+        if rank == 0:
+            with open(f"{tmp}/split{cp}/metrics.jsonl") as f:
+                steps = [json.loads(line)["step"] for line in f]
+            assert steps == [1, 2, 3, 4, 5, 6], steps  # the resumed run appended
+    assert dist.is_initialized()  # main leaves a caller's process group alone
+
+
+def test_resume_bit_for_bit(tmp_path):
+    """Steps 1..6 at once == steps 1..3, checkpoint, resume, 4..6 (world 2, cp 2 and dp 2)."""
+    run_distributed(_resume_body, 2, str(tmp_path), timeout_s=300)
+
+
+def test_nan_loss_names_the_step(tmp_path):
+    # An absurd learning rate blows the weights up after the first update.
+    with pytest.raises(FloatingPointError, match=r"non-finite (loss|gradient norm) .* at step [2-9]"):
+        main(TINY + ["--steps", "5", "--lr", "1e30", "--grad-clip", "0", "--warmup-steps", "0",
+                     "--out-dir", str(tmp_path)])
+    assert not dist.is_initialized()  # the process group main created is destroyed
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--n-heads", "3"], "model.dim"),
+    (["--n-kv-heads", "3"], "model.n_kv_heads"),
+    (["--lr", "fast"], "optim.lr"),
+    (["--lr", "-1"], "optim.lr"),
+    (["--seq-len", "130", "--cp-size", "4"], "data.seq_len"),
+    (["--tokens-per-batch", "100", "--seq-len", "128"], "data.tokens_per_batch"),
+    (["--data", "/nonexistent/corpus.jsonl"], "data.data"),
+    (["--data", __file__.replace(".py", ".bin")], "data.data"),
+    (["--steps", "0"], "train.steps"),
+])
+def test_bad_config_names_the_field(argv, field):
+    with pytest.raises(ConfigError, match=re.escape(field)):
+        main(argv)
+    assert not dist.is_initialized()  # failed before any process group or data
+
+
+def test_cp_size_must_divide_world():
+    cfg = parse_args(["--cp-size", "3"])
+    with pytest.raises(ConfigError, match=r"parallel.cp_size=3.*world size 4.*4 / 3"):
+        validate(cfg, world_size=4)
+
+
+def test_unknown_choice_and_flag_exit():
+    with pytest.raises(SystemExit):
+        parse_args(["--seq-mode", "windows"])
+    with pytest.raises(SystemExit):
+        parse_args(["--no-such-flag", "1"])
+
+
+def test_config_file_toml_json_and_precedence(tmp_path):
+    toml = tmp_path / "run.toml"
+    toml.write_text('[model]\ndim = 96\nn_heads = 6\n[optim]\nlr = 1e-3\n[train]\nresume = true\n')
+    cfg = parse_args(["--preset", "125m", "--config", str(toml), "--lr", "2e-3"])
+    assert cfg.model.dim == 96 and cfg.model.n_heads == 6 and cfg.model.n_layers == 12  # preset kept
+    assert cfg.optim.lr == 2e-3 and cfg.train.resume is True  # flag beats file
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"data": {"seq_mode": "concat", "seq_len": 256}}))
+    cfg = parse_args(["--config", str(js)])
+    assert cfg.data.seq_mode == "concat" and cfg.data.seq_len == 256
+    js.write_text(json.dumps({"model": {"heads": 3}}))
+    with pytest.raises(ConfigError, match=r"unknown field model.heads"):
+        parse_args(["--config", str(js)])
+    js.write_text(json.dumps({"data": {"seq_mode": "windows"}}))
+    with pytest.raises(ConfigError, match=r"data.seq_mode='windows'"):
+        parse_args(["--config", str(js)])
+
+
+def test_presets_are_valid_and_8b_is_llama3():
+    for name in ("tiny", "125m", "1b", "8b"):
+        validate(parse_args(["--preset", name]))
+    m = parse_args(["--preset", "8b"]).model
+    assert (m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_hidden_dim, m.rope_base) == \
+        (4096, 32, 32, 8, 14336, 500000.0)
+
+
+def test_help_gives_units():
+    text = build_parser(epilog=pretrain.__doc__).format_help()
+    assert "--cp-size" in text and "--tokens-per-batch" in text and "in tokens" in text
+    assert "--rdzv-endpoint" in text  # the multi-node command line
+
+
+def test_lr_schedule_warmup_then_cosine():
+    fn = lr_lambda(OptimConfig(warmup_steps=4, min_lr_ratio=0.1), total_steps=14)
+    assert [fn(s) for s in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert fn(4) == 1.0 and abs(fn(9) - 0.55) < 1e-12 and abs(fn(14) - 0.1) < 1e-12
+    assert all(fn(s) >= fn(s + 1) for s in range(4, 20))
+
+
+def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
+    """A SIGTERM mid-run: the loop stops between steps, saves, destroys the group, exits 130."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cp_rope.launch.pretrain", *TINY, "--steps", "100000",
+         "--out-dir", str(tmp_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("step"):
+            proc.send_signal(signal.SIGTERM)
+            break
+    out = "".join(lines) + proc.communicate(timeout=120)[0]
+    assert proc.returncode == 130, out
+    assert "signal SIGTERM" in out and "checkpoint:" in out, out
+    ckpts = os.listdir(tmp_path / "checkpoints")
+    assert len(ckpts) == 1 and os.path.isfile(tmp_path / "checkpoints" / ckpts[0] / ".metadata")

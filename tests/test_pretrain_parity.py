@@ -1,0 +1,167 @@
+"""Whole-model parity: one training step under dp x cp equals a single-process run.
+
+Every rank builds the same global data from one seed and the single-process
+reference (``Transformer`` without CP, ``F.cross_entropy`` mean over the
+concatenation of every data-parallel rank's batch). It then runs the
+production step (:func:`cp_rope.launch.pretrain.train_step`: the CP model,
+:func:`cp_cross_entropy` over the dp x cp group, the gradient SUM) on its
+shard from :class:`PackingCollator` and asserts the loss and every
+parameter's gradient with the float32 tolerances of ``tests/utils.TOL``.
+
+The same body runs on GPUs under torchrun (NCCL, bf16 compute, bf16 tolerances)::
+
+    torchrun --standalone --nproc-per-node 2 tests/test_pretrain_parity.py
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_utils import run_distributed  # noqa: E402
+from utils import assert_close  # noqa: E402
+
+from cp_rope.launch.config import ModelConfig  # noqa: E402
+from cp_rope.launch.model import Transformer  # noqa: E402
+from cp_rope.launch.pretrain import train_step  # noqa: E402
+from cp_rope.parallel import PackingCollator, shard_batch  # noqa: E402
+from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
+
+VOCAB = 61
+
+
+def _model_cfg() -> ModelConfig:
+    # head_dim 16, GQA 4:2, two blocks: small enough for the CPU, every piece exercised.
+    return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96,
+                       vocab_size=VOCAB, max_seq_len=512)
+
+
+def _docs(seed: int, dp: int) -> list[list[torch.Tensor]]:
+    """dp lists of documents; lengths include 1-token documents and lengths that land
+    exactly on zigzag chunk edges for cp 2 and 4 (multiples of 8)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [[37, 1, 64, 8, 23, 50], [16, 45, 1, 30, 2, 71]]
+    return [[torch.randint(0, VOCAB, (n,), generator=g) for n in lengths[d % 2]] for d in range(dp)]
+
+
+def _build(cp_group, device, dtype):
+    torch.manual_seed(1234)
+    with torch.device(device):
+        model = Transformer(_model_cfg(), cp_group=cp_group)
+    return model.to(dtype)
+
+
+def _reference(docs, label_fn, device, dtype):
+    """Single process, no CP: loss and gradients of the mean CE over all dp ranks' documents."""
+    batch = PackingCollator(cp_size=1)([{"input_ids": x} for d in docs for x in d])
+    batch = label_fn(batch).to(device)
+    model = _build(None, device, dtype)
+    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+    n = int((batch.labels != -100).sum())
+    ce = F.cross_entropy(logits.float(), batch.labels, ignore_index=-100, reduction="sum")
+    loss = ce / max(n, 1)
+    loss.backward()
+    return loss.detach(), {k: p.grad.clone() for k, p in model.named_parameters()}
+
+
+def _keep_all(batch):
+    return batch
+
+
+def _only_one_label(batch):
+    """Keep a single real label: row 29 of the first document (on rank 1 at cp 2, rank 2 at cp 4)."""
+    labels = torch.full_like(batch.labels, -100)
+    labels[29] = batch.labels[29]
+    batch.labels = labels
+    return batch
+
+
+def _no_label(batch):
+    batch.labels = torch.full_like(batch.labels, -100)
+    return batch
+
+
+LABELS = {"all": _keep_all, "one": _only_one_label, "none": _no_label}
+
+
+def _check_case(dp: int, cp: int, labels: str, device: torch.device, dtype: torch.dtype,
+                tol_dtype: torch.dtype) -> None:
+    world = dist.get_world_size()
+    dims = ParallelDims(dp=dp, cp=cp, world_size=world)
+    mesh, flat = dims.build_mesh(device.type), dims.build_flat_mesh(device.type)
+    dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
+    docs = _docs(seed=7, dp=dp)
+    label_fn = LABELS[labels]
+    ref_loss, ref_grads = _reference(docs, label_fn, device, dtype)
+
+    # Labels are set on the global batch of this dp rank (before CP sharding), as the collator does.
+    glob = label_fn(PackingCollator(cp_size=cp)([{"input_ids": x} for x in docs[dp_rank]]))
+    if labels == "one" and dp_rank != 0:
+        glob = _no_label(glob)  # the one label lives in dp rank 0's batch
+    batch = shard_batch(glob, cp, cp_rank).to(device)
+    model = _build(mesh["cp"].get_group(), device, dtype)
+    loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group())
+
+    where = f"dp={dp} cp={cp} labels={labels} rank={dist.get_rank()}"
+    assert_close(loss.reshape(1), ref_loss.reshape(1), dtype=tol_dtype, name=f"loss [{where}]")
+    for name, p in model.named_parameters():
+        assert p.grad is not None, f"{name}: no gradient [{where}]"
+        assert torch.isfinite(p.grad).all(), f"{name}: non-finite gradient [{where}]"
+        if labels == "none":
+            assert torch.count_nonzero(p.grad) == 0, f"{name}: gradient not exactly 0 [{where}]"
+        assert_close(p.grad, ref_grads[name], dtype=tol_dtype, name=f"grad {name} [{where}]")
+    if labels == "none":
+        assert loss.item() == 0.0, f"loss {loss.item()} != 0 with every label ignored [{where}]"
+    if labels == "one":  # the single token's gradient is whole on every layout, not 1/cp of it
+        assert ref_grads["output.weight"].abs().max() > 0
+
+
+def _parity_body(rank: int, world: int, cases) -> None:
+    torch.manual_seed(0)
+    for dp, cp, labels in cases:
+        _check_case(dp, cp, labels, torch.device("cpu"), torch.float32, torch.float32)
+
+
+def test_parity_cp1():
+    """cp_size 1 (world 1): the production step through the process group equals plain autograd."""
+    run_distributed(_parity_body, 1, [(1, 1, "all"), (1, 1, "one"), (1, 1, "none")])
+
+
+def test_parity_cp2():
+    run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all")])
+
+
+def test_parity_cp4_and_dp2_cp2():
+    run_distributed(_parity_body, 4, [(1, 4, "all"), (1, 4, "one"), (1, 4, "none"),
+                                      (2, 2, "all"), (2, 2, "one")])
+
+
+# ---------------------------------------------------------------- GPU (torchrun)
+def _gpu_main() -> None:
+    """One bf16 step at cp 2 (and dp 2 x cp 1) vs the single-GPU run, on NCCL."""
+    import datetime
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+    try:
+        world = dist.get_world_size()
+        device = torch.device("cuda", local)
+        for dp, cp in ((1, world), (world, 1)):
+            for labels in ("all", "one", "none"):
+                _check_case(dp, cp, labels, device, torch.bfloat16, torch.bfloat16)
+                if dist.get_rank() == 0:
+                    print(f"GPU parity OK: dp={dp} cp={cp} labels={labels} (bf16 tolerances)",
+                          flush=True)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    _gpu_main()
