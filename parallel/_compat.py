@@ -74,6 +74,11 @@ def torch_flash_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     op = _require_op("_flash_attention_forward")
     out, lse, rng_state, unused, _ = op(
         q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+    if lse.shape != (q.shape[1], q.shape[0]):
+        raise RuntimeError(
+            f"torch {torch.__version__}: aten._flash_attention_forward returned an LSE of shape "
+            f"{tuple(lse.shape)}, expected the unpadded varlen layout [H, total_q] = "
+            f"{[q.shape[1], q.shape[0]]}; use backend='torch_cudnn' (one sequence) or 'reference'")
     return out, lse, rng_state, unused
 
 

@@ -101,16 +101,22 @@ def bench_ours(args, lengths, cp_size, rank, group, method, backend, device):
     q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
     run = lambda: context_parallel_attention(q, k, v, cu, max(local), group=group, causal=True,
                                              method=method, backend=backend)
+    return measure(args, run, (q, k, v), dout)
+
+
+def measure(args, run, leaves, dout):
+    """(fwd ms, fwd+bwd ms, peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``."""
 
     def fwd():
         with torch.no_grad():
             run()
 
     def fwd_bwd():
-        q.grad = k.grad = v.grad = None
+        for t in leaves:
+            t.grad = None
         run().backward(dout)
 
-    fwd_bwd()  # compile / plan caches before the memory measurement
+    fwd_bwd()  # plan / cuDNN graph caches before the memory measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd()
@@ -133,22 +139,7 @@ def bench_torch_cp(args, cp_size, kv_heads, device):
                           no_restore_buffers={q, k, v, dout}):
         ql, kl, vl = (t.detach().requires_grad_() for t in (q, k, v))
         run = lambda: F.scaled_dot_product_attention(ql, kl, vl, is_causal=True, **gqa)
-
-        def fwd():
-            with torch.no_grad():
-                run()
-
-        def fwd_bwd():
-            ql.grad = kl.grad = vl.grad = None
-            run().backward(dout)
-
-        fwd_bwd()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
-        fwd_bwd()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated() / 2**30
-        return cuda_time_ms(fwd, args.warmup, args.iters), cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak
+        return measure(args, run, (ql, kl, vl), dout)
 
 
 def main() -> int:
