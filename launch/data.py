@@ -36,8 +36,9 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from cp_rope.parallel import PackingCollator, SpanDataset, TokenBudgetBatchSampler
 from torch.utils.data import DataLoader, Dataset
+
+from cp_rope.parallel import PackingCollator, SpanDataset, TokenBudgetBatchSampler
 
 from .config import ConfigError, DataConfig
 

@@ -16,11 +16,11 @@ import math
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from cp_rope.parallel import context_parallel_attention
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_rope import RotaryEmbedding
+from cp_rope.parallel import context_parallel_attention
 
 from .config import ModelConfig
 

@@ -37,6 +37,7 @@ import time
 
 import torch
 import torch.distributed as dist
+
 from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 

@@ -1,0 +1,153 @@
+"""Corpus loaders, tokenizers and the packed loader of the pretraining entry point."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import sysconfig
+
+import numpy as np
+import pytest
+import torch
+
+from cp_rope.launch.config import ConfigError, DataConfig
+from cp_rope.launch.data import (
+    ByteTokenizer,
+    TokenDataset,
+    build_loader,
+    load_corpus,
+    load_tokenizer,
+    padded_vocab_size,
+    stdlib_files,
+)
+from cp_rope.parallel import PackingCollator, SpanDataset, shard_batch
+
+BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
+
+
+def _doc(corpus, d):
+    return corpus.tokens[corpus.offsets[d]:corpus.offsets[d + 1]].tolist()
+
+
+def test_stdlib_files_sorted_real_and_without_site_packages():
+    files = stdlib_files()
+    assert len(files) > 100 and files == sorted(files)
+    assert os.path.join(sysconfig.get_paths()["stdlib"], "os.py") in files
+    assert not any("site-packages" in f for f in files)
+
+
+def test_default_corpus_is_stdlib_bytes_with_bos_eos():
+    corpus = load_corpus(DataConfig(max_docs=3))
+    files = stdlib_files()[:3]
+    assert corpus.num_docs == 3 and corpus.vocab_size == 259 and corpus.pad_id == 258
+    for d, f in enumerate(files):
+        with open(f, "rb") as fh:
+            raw = list(fh.read())
+        assert _doc(corpus, d) == [BOS, *raw, EOS]
+    assert padded_vocab_size(corpus.vocab_size) == 320
+
+
+def test_jsonl_corpus_and_bad_lines(tmp_path):
+    path = tmp_path / "c.jsonl"
+    path.write_text(json.dumps({"text": "héllo"}) + "\n\n" + json.dumps({"body": "x", "text": "ab"}) + "\n")
+    corpus = load_corpus(DataConfig(data=str(path)))
+    assert _doc(corpus, 0) == [BOS, *"héllo".encode(), EOS] and _doc(corpus, 1) == [BOS, 97, 98, EOS]
+    path.write_text(json.dumps({"text": "ok"}) + "\nnot json\n")
+    with pytest.raises(ConfigError, match=r"data.data=.*line 2 is not JSON"):
+        load_corpus(DataConfig(data=str(path)))
+    path.write_text(json.dumps({"txt": "ok"}) + "\n")
+    with pytest.raises(ConfigError, match=r"line 1 has no string field 'text'"):
+        load_corpus(DataConfig(data=str(path)))
+
+
+def test_txt_directory_sorted_recursive(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "z.txt").write_text("zz")
+    (tmp_path / "a.txt").write_text("a")
+    (tmp_path / "skip.md").write_text("no")
+    corpus = load_corpus(DataConfig(data=str(tmp_path)))
+    assert corpus.num_docs == 2
+    assert _doc(corpus, 0) == [BOS, 97, EOS] and _doc(corpus, 1) == [BOS, 122, 122, EOS]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match="no \\*.txt files"):
+        load_corpus(DataConfig(data=str(empty)))
+
+
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_bin_memmap_split_on_eos(tmp_path, dtype):
+    ids = np.array([5, 6, 0, 7, 0, 0, 8, 9], dtype=dtype)  # EOS = 0; an empty doc; a tail without EOS
+    path = tmp_path / "c.bin"
+    ids.tofile(path)
+    corpus = load_corpus(DataConfig(data=str(path), bin_dtype=dtype, eos_id=0), vocab_size=10)
+    assert isinstance(corpus.tokens, np.memmap)
+    assert [_doc(corpus, d) for d in range(corpus.num_docs)] == [[5, 6, 0], [7, 0], [0], [8, 9]]
+    with pytest.raises(ConfigError, match="model.vocab_size=9"):
+        load_corpus(DataConfig(data=str(path), bin_dtype=dtype, eos_id=0), vocab_size=9)
+    (tmp_path / "odd.bin").write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ConfigError, match="not a whole number"):
+        load_corpus(DataConfig(data=str(tmp_path / "odd.bin"), bin_dtype="uint16", eos_id=0), 10)
+
+
+def test_hf_tokenizer(tmp_path):
+    path = tmp_path / "tokenizer.json"
+    try:
+        from tokenizers import Tokenizer, models, pre_tokenizers
+    except ModuleNotFoundError:
+        path.write_text("{}")
+        with pytest.raises(ConfigError, match=r"data.tokenizer=.*pip install tokenizers"):
+            load_tokenizer(DataConfig(tokenizer=str(path)))
+        return
+    vocab = {"[UNK]": 0, "</s>": 1, "<s>": 2, "hello": 3, "world": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(path))
+    (tmp_path / "d.txt").write_text("hello world zzz")
+    corpus = load_corpus(DataConfig(data=str(tmp_path), tokenizer=str(path)))
+    assert _doc(corpus, 0) == [2, 3, 4, 0, 1] and corpus.vocab_size == 5
+
+
+def test_concat_mode_windows_label_across_the_cut():
+    corpus = load_corpus(DataConfig(max_docs=2))
+    ds = TokenDataset(corpus, "concat", seq_len=64)
+    assert len(ds) == int(corpus.offsets[-1]) // 64 and (ds.lengths() == 64).all()
+    stream = torch.from_numpy(corpus.tokens.astype(np.int64))
+    batch = PackingCollator(cp_size=2)([SpanDataset(ds)[(3, 0, 64)]])
+    assert batch.cu_seqlens.tolist() == [0, 64]
+    assert torch.equal(batch.input_ids, stream[192:256])
+    assert torch.equal(batch.labels, stream[193:257])  # the last token's label is the next window's first
+
+
+def test_docs_mode_loader_cp_groups_share_dp_ranks_split():
+    """Ranks of one CP group pack the same global batch (their shards unshard to it); the two
+    data-parallel ranks see disjoint documents; documents longer than seq_len are cut."""
+    cfg = DataConfig(max_docs=24, seq_len=256, tokens_per_batch=1024)
+    ds = TokenDataset(load_corpus(cfg), "docs", cfg.seq_len)
+    seen = []
+    for dp_rank in range(2):
+        glob = next(iter(build_loader(cfg, ds, cp_size=2, cp_rank=None, dp_size=2, dp_rank=dp_rank,
+                                      seed=5)[0]))
+        loaders = [build_loader(cfg, ds, cp_size=2, cp_rank=r, dp_size=2, dp_rank=dp_rank, seed=5)
+                   for r in range(2)]
+        shards = [next(iter(loader)) for loader, _ in loaders]
+        for r in range(2):
+            want = shard_batch(glob, 2, r)
+            for f in ("input_ids", "labels", "position_ids", "cu_seqlens"):
+                assert torch.equal(getattr(shards[r], f), getattr(want, f)), (dp_rank, r, f)
+        assert int(shards[0].cu_seqlens[-1]) * 2 <= cfg.tokens_per_batch
+        assert int((shards[0].cu_seqlens[1:] - shards[0].cu_seqlens[:-1]).max()) * 2 <= cfg.seq_len
+        assert torch.equal(shards[0].seq_lens, shards[1].seq_lens)
+        seen.append(set(glob.input_ids.tolist()[:64]))
+        assert len(loaders[0][1]) == len(loaders[1][1]) > 1
+    assert seen[0] != seen[1]  # different documents (the first 64 ids differ as sets)
+
+
+def test_seq_len_longer_than_corpus():
+    corpus = load_corpus(DataConfig(max_docs=1))
+    with pytest.raises(ConfigError, match="data.seq_len"):
+        TokenDataset(corpus, "concat", seq_len=int(corpus.offsets[-1]) + 2)
+
+
+if __name__ == "__main__":
+    sys.exit(pytest.main([__file__, "-q"]))
