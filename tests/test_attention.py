@@ -203,8 +203,9 @@ def _make_case(seed, cp_size, hq, hkv, d, causal):
 
 def _parity_body(rank, world_size):
     group = dist.group.WORLD
-    cases = [  # (hq, hkv, d, causal)
-        (4, 4, 16, True), (6, 2, 8, True), (4, 4, 16, False), (6, 2, 24, False), (1, 1, 8, True)]
+    cases = [  # (hq, hkv, d, causal); case 5 feeds non-contiguous q/k/v views
+        (4, 4, 16, True), (6, 2, 8, True), (4, 4, 16, False), (6, 2, 24, False), (1, 1, 8, True),
+        (3, 1, 80, True)]
     for ci, (hq, hkv, d, causal) in enumerate(cases):
         lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, causal)
         seq_lens = None if causal else torch.tensor(lens)
@@ -219,6 +220,9 @@ def _parity_body(rank, world_size):
         for method in ("ring", "allgather"):
             loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
             loc = [torch.cat([t, torch.randn(extra, *t.shape[1:], dtype=t.dtype)]) for t in loc]
+            if ci == 5:
+                loc[:3] = [t.transpose(1, 2).contiguous().transpose(1, 2) for t in loc[:3]]
+                assert not loc[0].is_contiguous()
             ql, kl, vl = (t.requires_grad_() for t in loc[:3])
             out = context_parallel_attention(
                 ql, kl, vl, local_cu, max_local, group=group if ci != 4 or world_size > 1 else None,
