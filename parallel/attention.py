@@ -250,12 +250,15 @@ class _Plan:
         a, e, end = cu[:-1], cu[1:], cu[-1]
         h = (e - a) // 2
         seg = lambda qs, qe, ks, ke, mq, mk, c: _segments(qs, qe, ks, ke, mq, mk, c, dev, host)
-        real = None
-        if not causal and seq_lens is not None:
-            real = self._real_key_counts(cu_seqlens, seq_lens, C)  # [C, B] local real keys per rank
-            if host:
-                real = real.cpu()
+        if seq_lens is not None:
+            lens = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1]
+            seq_lens = seq_lens.to(device=cu_seqlens.device, dtype=torch.int64)
+            if bool(((seq_lens < 0) | (seq_lens > lens * C)).any()):
+                raise ValueError("seq_lens must satisfy 0 <= seq_lens <= global (padded) length")
         if method == "ring":
+            real = None  # [C, B] real (non-padding) keys of every rank's local sequences
+            if seq_lens is not None:
+                real = self._real_key_counts(cu_seqlens, seq_lens, C).to(cu.device)
             self.ring = []
             for i in range(C):
                 src = (r - i) % C
@@ -298,9 +301,6 @@ class _Plan:
         """``[C, B]``: keys of rank p's local sequence b that are not padding (a prefix)."""
         cu = cu_seqlens.to(torch.int64)
         lens = cu[1:] - cu[:-1]
-        seq_lens = seq_lens.to(device=cu.device, dtype=torch.int64)
-        if bool(((seq_lens < 0) | (seq_lens > lens * C)).any()):
-            raise ValueError("seq_lens must satisfy 0 <= seq_lens <= global (padded) length")
         n = int(cu[-1])
         seq_id = torch.repeat_interleave(torch.arange(lens.numel(), device=cu.device), lens,
                                          output_size=n)

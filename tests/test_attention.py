@@ -183,6 +183,10 @@ def test_bad_inputs():
         cpa(q, k, k, cu, 8, backend="xformers")
     with pytest.raises(ValueError, match="seq_lens is only used with causal=False"):
         cpa(q, k, k, cu, 8, seq_lens=torch.tensor([8]))
+    with pytest.raises(ValueError, match="0 <= seq_lens"):
+        cpa(q, k, k, cu, 8, causal=False, seq_lens=torch.tensor([9]))
+    with pytest.raises(ValueError, match="seq_lens must be an integer tensor"):
+        cpa(q, k, k, cu, 8, causal=False, seq_lens=torch.tensor([8, 0]))
     with pytest.raises(TypeError, match="dtype|float16"):
         cpa(q.int(), k.int(), k.int(), cu, 8)
 
