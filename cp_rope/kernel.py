@@ -1,10 +1,12 @@
 """The token-linear THD RoPE Triton kernel and its host launcher (no autograd here).
 
 One kernel does forward and backward (``CONJUGATE`` rotates by ``-theta``)
-for q and k in one launch. The grid is ``cdiv(T, BLOCK_T) x (head blocks of q
-+ head blocks of k)``: it depends only on the number of local tokens and
-heads, never on the number of sequences, their lengths or the cache length.
-Each program
+for q and k in one launch. The grid is one-dimensional, ``cdiv(T, BLOCK_T) *
+(head blocks of q + head blocks of k)`` programs, head block fastest, so the
+programs that share a token block (and its cos/sin rows) run next to each
+other and the rows are read from DRAM once. It depends only on the number of
+local tokens and heads, never on the number of sequences, their lengths or
+the cache length. Each program
 
 1. finds the sequence of each of its ``BLOCK_T`` rows by a vectorized binary
    search over ``cu_seqlens`` (``ceil(log2(n_seqs + 1))`` steps, a runtime
@@ -87,8 +89,11 @@ def _rope_kernel(
     CONJUGATE: tl.constexpr,  # rotate by -theta (the backward)
     COPY_PASS: tl.constexpr,  # out-of-place with head_dim > rotary_dim
 ):
-    pid_t = tl.program_id(0).to(tl.int64)
-    pid_h = tl.program_id(1).to(tl.int64)
+    pid = tl.program_id(0).to(tl.int64)
+    n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
+    n_blocks = n_blocks_q + tl.cdiv(n_heads_k, heads_per_prog)
+    pid_t = pid // n_blocks
+    pid_h = pid % n_blocks
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     mask_t = offs_t < n_tokens
 
@@ -128,7 +133,6 @@ def _rope_kernel(
     offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
     mask_pass = mask_t[:, None] & (offs_p < head_dim)[None, :]
 
-    n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
     if pid_h < n_blocks_q:
         h_start = pid_h * heads_per_prog
         h_end = tl.minimum(h_start + heads_per_prog, n_heads_q)
@@ -147,7 +151,7 @@ def _rope_kernel(
 
 def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, rotary_dim: int,
                   elem_size: int, *, interleaved: bool = False, conjugate: bool = False,
-                  inplace: bool = False) -> tuple[tuple[int, int], int, dict]:
+                  inplace: bool = False) -> tuple[tuple[int], int, dict]:
     """Grid, heads per program and constexpr meta of a launch.
 
     A small heuristic (no autotuning over dynamic shapes, which would add
@@ -159,7 +163,7 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     sequences, nor on the cache.
 
     Returns:
-        ``((cdiv(T, BLOCK_T), head_blocks_q + head_blocks_k), heads_per_prog, meta)``.
+        ``((cdiv(T, BLOCK_T) * (head_blocks_q + head_blocks_k),), heads_per_prog, meta)``.
     """
     half = rotary_dim // 2
     block_r = triton.next_power_of_2(half)
@@ -176,7 +180,7 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     meta = dict(ROT_HALF=half, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p,
                 INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), COPY_PASS=copy_pass,
                 num_warps=num_warps)
-    return (t_blocks, h_blocks), heads_per_prog, meta
+    return (t_blocks * h_blocks,), heads_per_prog, meta
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor,
