@@ -32,6 +32,7 @@ conversion per document).
 from __future__ import annotations
 
 import dataclasses
+import operator
 import zlib
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -121,8 +122,15 @@ class PackedBatch:
     def _map(self, fn) -> PackedBatch:
         return dataclasses.replace(self, **{k: fn(getattr(self, k)) for k in self._TENSORS})
 
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> PackedBatch:
-        """A copy with every tensor on ``device`` (dtypes unchanged)."""
+    def to(self, device: torch.device | str | int, non_blocking: bool = False) -> PackedBatch:
+        """A copy with every tensor on ``device`` (dtypes unchanged).
+
+        Raises: TypeError if ``device`` is not a ``torch.device``, str or int
+        (e.g. a dtype: the fields keep their integer dtypes).
+        """
+        if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+            raise TypeError(f"device must be a torch.device, str or int, got "
+                            f"{type(device).__name__} (PackedBatch.to keeps dtypes)")
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
     def pin_memory(self) -> PackedBatch:
@@ -153,7 +161,7 @@ def _as_int_array(x: Any, field: str, i: int) -> np.ndarray:
         return np.empty(0, np.int64)
     if x.dtype.kind not in "iu":
         raise TypeError(f"{field} of example {i} must hold integers, got dtype {x.dtype}")
-    return x.astype(np.int64, copy=False)
+    return _to_int64(x, f"{field} of example {i} holds")
 
 
 def _doc_length(example: Any) -> int:
@@ -182,6 +190,18 @@ def _span_example(example: Any, start: int, end: int) -> dict:
     return out
 
 
+def _read_span(span: Any, i: int) -> tuple[int, int]:
+    """An example's ``span`` as ``(start, end)`` ints (Python, numpy or 0-d tensor ints)."""
+    try:
+        start, end = span
+    except (TypeError, ValueError):
+        raise ValueError(f"span of example {i} must be a pair (start, end), got {span!r}") from None
+    try:
+        return operator.index(start), operator.index(end)
+    except TypeError:
+        raise TypeError(f"span of example {i} must hold ints, got {span!r}") from None
+
+
 def _exclusive_cumsum(x: np.ndarray) -> np.ndarray:
     out = np.zeros(x.size + 1, np.int64)
     np.cumsum(x, out=out[1:])
@@ -192,29 +212,52 @@ def _padded(n: np.ndarray | int, multiple: int):
     return -(-n // multiple) * multiple
 
 
-def _positive_int(value: Any, name: str, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+def _int_arg(value: Any, name: str, min_value: int | None = None) -> int:
+    """``value`` (a Python or numpy int, not a bool) as a Python int, else TypeError/ValueError."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
+    if min_value is not None and value < min_value:
+        raise ValueError(f"{name} must be >= {min_value}, got {value}")
+    return int(value)
 
 
-def _check_budget(max_tokens: Any, cp_size: int) -> None:
+def _positive_int(value: Any, name: str, allow_none: bool = False) -> int | None:
+    if value is None and allow_none:
+        return None
+    return _int_arg(value, name, 1)
+
+
+def _bool_arg(value: Any, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
+    return bool(value)
+
+
+def _check_budget(max_tokens: Any, cp_size: int) -> int:
     """``max_tokens`` must hold at least one CP-padded token group (``2 * cp_size``)."""
-    _positive_int(max_tokens, "max_tokens")
+    max_tokens = _positive_int(max_tokens, "max_tokens")
     if max_tokens < 2 * cp_size:
         raise ValueError(f"max_tokens={max_tokens} is smaller than 2 * cp_size = {2 * cp_size}: "
                          "no token fits")
+    return max_tokens
 
 
-def _check_dp(dp_size: Any, dp_rank: Any) -> None:
-    _positive_int(dp_size, "dp_size")
-    if isinstance(dp_rank, bool) or not isinstance(dp_rank, int):
-        raise TypeError(f"dp_rank must be an int, got {type(dp_rank).__name__}")
+def _check_dp(dp_size: Any, dp_rank: Any) -> tuple[int, int]:
+    dp_size, dp_rank = _positive_int(dp_size, "dp_size"), _int_arg(dp_rank, "dp_rank")
     if not 0 <= dp_rank < dp_size:
         raise ValueError(f"dp_rank must satisfy 0 <= dp_rank < dp_size={dp_size}, got {dp_rank}")
+    return dp_size, dp_rank
+
+
+_INT64_MAX = np.iinfo(np.int64).max
+
+
+def _to_int64(x: np.ndarray, what: str) -> np.ndarray:
+    """Integer array -> int64; uint64 values beyond int64 raise (instead of wrapping negative)."""
+    if x.dtype == np.uint64 and x.size and int(x.max()) > _INT64_MAX:
+        t = int(np.argmax(x > _INT64_MAX))
+        raise ValueError(f"{what} value {int(x[t])} at index {t}, beyond int64")
+    return x.astype(np.int64, copy=False)
 
 
 # --------------------------------------------------------------------------------------
@@ -274,16 +317,16 @@ class PackingCollator:
                  vocab_size: int | None = None):
         check_cp_args(cp_size, 0 if cp_rank is None else cp_rank)
         m = 2 * cp_size
-        _positive_int(pad_to_multiple, "pad_to_multiple", allow_none=True)
+        pad_to_multiple = _positive_int(pad_to_multiple, "pad_to_multiple", allow_none=True)
         if pad_to_multiple is not None and pad_to_multiple % m:
             raise ValueError(f"pad_to_multiple={pad_to_multiple} must be a multiple of "
                              f"2 * cp_size = {m}")
         if max_tokens is not None:
-            _check_budget(max_tokens, cp_size)
-        _positive_int(max_seqlen, "max_seqlen", allow_none=True)
+            max_tokens = _check_budget(max_tokens, cp_size)
+        max_seqlen = _positive_int(max_seqlen, "max_seqlen", allow_none=True)
         if max_seqlen is not None and max_seqlen % m:
             raise ValueError(f"max_seqlen={max_seqlen} must be a multiple of 2 * cp_size = {m}")
-        _positive_int(vocab_size, "vocab_size", allow_none=True)
+        vocab_size = _positive_int(vocab_size, "vocab_size", allow_none=True)
         for name, v in (("pad_id", pad_id), ("ignore_index", ignore_index)):
             if isinstance(v, bool) or not isinstance(v, int):
                 raise TypeError(f"{name} must be an int, got {type(v).__name__}")
@@ -321,7 +364,7 @@ class PackingCollator:
                 if lab.size != x.size:
                     raise ValueError(f"labels of example {i} has length {lab.size}, "
                                      f"input_ids has {x.size}")
-            s, e = (0, x.size) if span is None else (int(span[0]), int(span[1]))
+            s, e = (0, x.size) if span is None else _read_span(span, i)
             if not 0 <= s <= e <= x.size:
                 raise ValueError(f"span of example {i} is {tuple(span)}, not within "
                                  f"[0, {x.size}] with start <= end")
@@ -352,6 +395,11 @@ class PackingCollator:
 
     def pack(self, examples: Sequence[Any]) -> PackedBatch:
         """The global batch (``cp_size == 1`` layout, sequences padded for ``cp_size``)."""
+        if isinstance(examples, Mapping):
+            raise TypeError(
+                "examples must be a sequence of examples (each a mapping with 'input_ids', or the "
+                f"ids), got a {type(examples).__name__} with keys {sorted(examples)}; split a "
+                "columnar batch into examples first")
         if not isinstance(examples, Sequence):
             examples = list(examples)
         ids, lab_src, start, end = self._read(examples)
@@ -522,14 +570,16 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
             raise ValueError(f"lengths must be 1-D, got shape {lengths.shape}")
         if lengths.size and lengths.dtype.kind not in "iu":
             raise TypeError(f"lengths must hold integers, got dtype {lengths.dtype}")
-        lengths = lengths.astype(np.int64)
+        lengths = _to_int64(lengths, "lengths hold").copy()
         if lengths.size and int(lengths.min()) < 0:
             raise ValueError(f"lengths must be >= 0, got {int(lengths.min())} at index "
                              f"{int(lengths.argmin())}")
         check_cp_args(cp_size, 0)
-        _check_budget(max_tokens, cp_size)
-        _positive_int(window, "window")
-        _check_dp(dp_size, dp_rank)
+        max_tokens = _check_budget(max_tokens, cp_size)
+        window = _positive_int(window, "window")
+        seed = _int_arg(seed, "seed", 0)
+        shuffle, drop_last = _bool_arg(shuffle, "shuffle"), _bool_arg(drop_last, "drop_last")
+        dp_size, dp_rank = _check_dp(dp_size, dp_rank)
         m = 2 * cp_size
         self.lengths, self.max_tokens, self.cp_size = lengths, max_tokens, cp_size
         self.window, self.shuffle, self.seed = window, shuffle, seed
@@ -608,6 +658,7 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's shuffle. A different epoch than the one a loaded
         state is in starts that epoch from its first batch."""
+        epoch = _int_arg(epoch, "epoch", 0)
         if epoch != self.epoch:
             self._resume_at = 0
             self._consumed = 0
@@ -694,8 +745,8 @@ def pack_iterable(examples: Iterable[Any], max_tokens: int, *, cp_size: int = 1,
     Raises: ``ValueError`` for ``max_tokens < 2 * cp_size`` or ``buffer_size < 1``.
     """
     check_cp_args(cp_size, 0)
-    _check_budget(max_tokens, cp_size)
-    _positive_int(buffer_size, "buffer_size")
+    max_tokens = _check_budget(max_tokens, cp_size)
+    buffer_size = _positive_int(buffer_size, "buffer_size")
     m = 2 * cp_size
     piece = max_tokens // m * m
     buf: list[Any] = []
@@ -737,8 +788,11 @@ class PackedIterableDataset(IterableDataset):
 
     def __init__(self, source: Iterable[Any], collator: PackingCollator, max_tokens: int, *,
                  buffer_size: int = 1024, dp_size: int = 1, dp_rank: int = 0):
-        _check_dp(dp_size, dp_rank)
-        _check_budget(max_tokens, collator.cp_size)
+        if not isinstance(collator, PackingCollator):
+            raise TypeError(f"collator must be a PackingCollator, got {type(collator).__name__}")
+        dp_size, dp_rank = _check_dp(dp_size, dp_rank)
+        max_tokens = _check_budget(max_tokens, collator.cp_size)
+        buffer_size = _positive_int(buffer_size, "buffer_size")
         self.source, self.collator, self.max_tokens = source, collator, max_tokens
         self.buffer_size, self.dp_size, self.dp_rank = buffer_size, dp_size, dp_rank
 

@@ -34,9 +34,19 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
 
     Returns: same dtype and device, ``[B + 1]``.
 
-    Raises: ValueError if a global length is not divisible by ``2 * cp_size``.
+    Raises:
+        TypeError: ``cu_seqlens`` is not an int32/int64 tensor; cp_size not an int.
+        ValueError: ``cu_seqlens`` not 1-D, or a global length not divisible
+            by ``2 * cp_size``.
     """
     check_cp_args(cp_size, 0)
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
+        raise ValueError(f"cu_seqlens must be 1-D with at least one entry, got shape "
+                         f"{tuple(cu_seqlens.shape)}")
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     if cp_size > 1 and bool((lens % (2 * cp_size) != 0).any()):
         bad = int(torch.nonzero(lens % (2 * cp_size) != 0)[0])
@@ -61,11 +71,12 @@ def cp_shard_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
         ``j`` of a sequence has position ``global_positions(local_cu, C, r)[j]``
         inside it.
 
-    Raises: TypeError/ValueError naming the argument (see :func:`local_cu_seqlens`).
+    Raises: TypeError/ValueError naming the argument (see :func:`local_cu_seqlens`
+    and :func:`cp_rope.global_positions`).
     """
     check_cp_args(cp_size, cp_rank)
+    local_cu = local_cu_seqlens(cu_seqlens, cp_size).to(torch.int64)
     cu = cu_seqlens.to(torch.int64)
-    local_cu = local_cu_seqlens(cu, cp_size)
     pos = global_positions(local_cu, cp_size, cp_rank)
     lens = local_cu[1:] - local_cu[:-1]
     starts = torch.repeat_interleave(cu[:-1], lens, output_size=pos.numel())
@@ -74,9 +85,30 @@ def cp_shard_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
 
 def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
                  dim: int = 0) -> torch.Tensor:
-    """``x`` (global rows along ``dim``) -> this rank's zigzag shard (a new tensor)."""
-    idx = cp_shard_indices(cu_seqlens, cp_size, cp_rank).to(x.device)
-    return x.index_select(dim, idx)
+    """This rank's zigzag shard of a global THD tensor (a new tensor).
+
+    Args:
+        x: ``[..., T, ...]`` global rows along ``dim`` (any dtype and device),
+            ``T >= cu_seqlens[-1]``; rows from ``cu_seqlens[-1]`` on (trailing
+            padding) belong to no sequence and are not kept.
+        cu_seqlens: int32/int64 ``[B + 1]`` *global* cu_seqlens, every length
+            divisible by ``2 * cp_size``.
+        cp_size, cp_rank: CP degree ``C`` and this rank.
+        dim: the token dimension of ``x``.
+
+    Returns: ``x.index_select(dim, cp_shard_indices(cu_seqlens, cp_size, cp_rank))``,
+    ``cu_seqlens[-1] / C`` rows along ``dim``.
+
+    Raises: TypeError/ValueError naming the argument: ``x`` not a tensor or with
+    fewer than ``cu_seqlens[-1]`` rows along ``dim``; see :func:`cp_shard_indices`.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    idx = cp_shard_indices(cu_seqlens, cp_size, cp_rank)
+    total = int(cu_seqlens[-1])
+    if x.shape[dim] < total:
+        raise ValueError(f"x: {x.shape[dim]} rows along dim {dim} but cu_seqlens[-1] = {total}")
+    return x.index_select(dim, idx.to(x.device))
 
 
 def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
@@ -134,9 +166,13 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
     dropped. Not differentiable. Collective: every rank of ``group`` must call
     it; a missing rank fails after the group's timeout.
 
-    Raises: ValueError if ``local`` has fewer rows than ``cu_seqlens[-1]`` or a
-    local length is odd (with ``C > 1``).
+    Raises: TypeError if ``local`` or ``cu_seqlens`` is not a tensor; ValueError if ``local`` has
+    fewer rows than ``cu_seqlens[-1]`` or a local length is odd (with ``C > 1``).
     """
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
     cp_size = dist.get_world_size(group) if dist.is_initialized() else 1
     n_local = int(cu_seqlens[-1])
     if local.shape[0] < n_local:

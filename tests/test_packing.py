@@ -8,6 +8,11 @@ import pickle
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+
+import cp_rope
 from cp_rope.parallel import (
     PackedBatch,
     PackedIterableDataset,
@@ -18,11 +23,6 @@ from cp_rope.parallel import (
     pack_iterable,
     shard_batch,
 )
-from hypothesis import given
-from hypothesis import strategies as st
-from torch.utils.data import DataLoader
-
-import cp_rope
 
 CP_SIZES = [1, 2, 3, 4, 8]
 IGNORE = -100
@@ -462,3 +462,74 @@ def test_bad_shard_of_a_shard():
     b = PackingCollator(cp_size=2, cp_rank=0)([[1, 2, 3]])
     with pytest.raises(ValueError, match="already a shard"):
         shard_batch(b, 2, 1)
+
+
+# --------------------------------------------------------------------------------------
+# Found by a new-user review (each failed before its fix)
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed, exc", [(-1, ValueError), (None, TypeError), (1.5, TypeError)])
+def test_bad_sampler_seed_named_at_construction(seed, exc):
+    with pytest.raises(exc, match="seed"):
+        TokenBudgetBatchSampler([3, 4], 8, seed=seed)
+
+
+@pytest.mark.parametrize("kw", [dict(shuffle="no"), dict(drop_last=1)])
+def test_bad_sampler_flags_must_be_bool(kw):
+    with pytest.raises(TypeError, match=next(iter(kw))):
+        TokenBudgetBatchSampler([3, 4], 8, **kw)
+
+
+def test_sampler_set_epoch_checks_and_state_holds_plain_ints():
+    s = TokenBudgetBatchSampler([3, 4, 5], 8)
+    with pytest.raises(TypeError, match="epoch"):
+        s.set_epoch("1")
+    with pytest.raises(ValueError, match="epoch"):
+        s.set_epoch(-1)
+    s.set_epoch(np.int64(2))
+    next(iter(s))
+    state = s.state_dict()
+    assert all(type(v) is int for v in state.values()), state
+
+
+def test_sampler_state_resumes_across_numpy_int_settings():
+    """A sampler built with numpy ints (max_tokens from array arithmetic, say) takes
+    the state of one built with Python ints: same settings, same fingerprint."""
+    a = TokenBudgetBatchSampler([3, 4, 5, 9], 8, window=4, seed=3, dp_size=2)
+    b = TokenBudgetBatchSampler([3, 4, 5, 9], np.int64(8), window=np.int64(4), seed=np.int64(3),
+                                dp_size=np.int64(2), dp_rank=np.int64(1))
+    b.load_state_dict(a.state_dict())
+
+
+def test_bad_span_shape_and_type():
+    with pytest.raises(ValueError, match="span of example 0"):
+        PackingCollator()([{"input_ids": [1, 2, 3], "span": (1,)}])
+    with pytest.raises(TypeError, match="span of example 0"):
+        PackingCollator()([{"input_ids": [1, 2, 3], "span": (0.5, 2)}])
+
+
+def test_bad_examples_as_one_columnar_mapping():
+    """A Hugging Face style columnar batch ({"input_ids": [[...], ...]}) is not a list of examples."""
+    with pytest.raises(TypeError, match="examples must be a sequence of examples"):
+        PackingCollator()({"input_ids": [[1, 2], [3]]})
+
+
+def test_bad_uint64_ids_beyond_int64():
+    with pytest.raises(ValueError, match="input_ids of example 0 holds value 9223372036854775813"):
+        PackingCollator()([np.array([1, 2**63 + 5], np.uint64)])
+    with pytest.raises(ValueError, match="lengths hold value 9223372036854775809"):
+        TokenBudgetBatchSampler(np.array([2**63 + 1], np.uint64), 8)
+
+
+def test_packed_batch_to_keeps_dtypes():
+    b = PackingCollator(cp_size=2)([[1, 2, 3]])
+    with pytest.raises(TypeError, match="device"):
+        b.to(torch.float32)
+
+
+def test_bad_packed_iterable_dataset_args_at_construction():
+    with pytest.raises(ValueError, match="buffer_size"):
+        PackedIterableDataset([[1]], PackingCollator(), 8, buffer_size=0)
+    with pytest.raises(TypeError, match="collator"):
+        PackedIterableDataset([[1]], None, 8)

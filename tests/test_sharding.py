@@ -10,6 +10,11 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_distributed
+from hypothesis import given
+from hypothesis import strategies as st
+
+import cp_rope
 from cp_rope.parallel import (
     PackingCollator,
     cp_shard_indices,
@@ -18,11 +23,6 @@ from cp_rope.parallel import (
     unshard,
 )
 from cp_rope.parallel.sharding import local_cu_seqlens
-from dist_utils import run_distributed
-from hypothesis import given
-from hypothesis import strategies as st
-
-import cp_rope
 
 CP_SIZES = [1, 2, 3, 4, 8]
 
@@ -142,3 +142,29 @@ def _unshard_body(rank, world_size):
 
 def test_unshard_distributed_cp2_and_cp4():
     run_distributed(_unshard_body, 4, timeout_s=60)
+
+
+def test_bad_cu_seqlens_type_and_dtype():
+    """Float or list cu_seqlens were silently truncated (or failed with an AttributeError)."""
+    for fn in (lambda cu: cp_shard_indices(cu, 2, 0), lambda cu: local_cu_seqlens(cu, 2),
+               lambda cu: shard_tensor(torch.arange(8), cu, 2, 0)):
+        with pytest.raises(TypeError, match="cu_seqlens must be int32 or int64"):
+            fn(torch.tensor([0.0, 4.0, 8.0]))
+        with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+            fn([0, 4, 8])
+    with pytest.raises(ValueError, match="cu_seqlens must be 1-D"):
+        local_cu_seqlens(torch.tensor([[0, 4]]), 2)
+
+
+def test_bad_shard_tensor_rows():
+    """Too few rows returned a wrong shard on some ranks and an IndexError on others."""
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    for rank in range(2):
+        with pytest.raises(ValueError, match="x: 6 rows along dim 0 but cu_seqlens\\[-1\\] = 8"):
+            shard_tensor(torch.arange(6), cu, 2, rank)
+    with pytest.raises(TypeError, match="x must be a torch.Tensor"):
+        shard_tensor([1, 2], cu, 2, 0)
+    with pytest.raises(TypeError, match="local must be a torch.Tensor"):
+        unshard([1, 2], torch.tensor([0, 2]))
+    with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
+        unshard(torch.arange(2), [0, 2])
