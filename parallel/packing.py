@@ -297,7 +297,7 @@ class PackingCollator:
         pad_id: token id of padding rows.
         ignore_index: label of rows without a target (PyTorch's cross-entropy default).
         pad_to_multiple: pad the global ``T`` to a multiple of this (a multiple
-            of ``2 * cp_size``).
+            of ``2 * cp_size``, and a divisor of ``max_tokens`` when both are set).
         max_tokens: cap on the global ``T`` (padding included). A batch over the
             cap raises ``ValueError`` rather than silently dropping or moving
             documents: size batches with :class:`TokenBudgetBatchSampler` (same
@@ -323,6 +323,9 @@ class PackingCollator:
                              f"2 * cp_size = {m}")
         if max_tokens is not None:
             max_tokens = _check_budget(max_tokens, cp_size)
+            if pad_to_multiple is not None and max_tokens % pad_to_multiple:
+                raise ValueError(f"max_tokens={max_tokens} must be a multiple of pad_to_multiple="
+                                 f"{pad_to_multiple}, or batches within the budget pad past it")
         max_seqlen = _positive_int(max_seqlen, "max_seqlen", allow_none=True)
         if max_seqlen is not None and max_seqlen % m:
             raise ValueError(f"max_seqlen={max_seqlen} must be a multiple of 2 * cp_size = {m}")
@@ -375,19 +378,20 @@ class PackingCollator:
         return ids, lab_src, np.asarray(starts, np.int64), np.asarray(ends, np.int64)
 
     def _check_values(self, flat: np.ndarray, doc_off: np.ndarray, field: str) -> None:
+        """Ids must be ``>= 0``; labels ``>= 0`` or ``ignore_index``; both ``< vocab_size``
+        (``ignore_index`` itself exempt)."""
         if flat.size == 0:
             return
-        lo, hi = int(flat.min()), int(flat.max())
+        target = flat != self.ignore_index if field == "labels" else None
         bad = None
-        if field == "input_ids" and lo < 0:
-            bad, what = flat < 0, "negative"
-        elif self.vocab_size is not None and hi >= self.vocab_size:
-            bad, what = flat >= self.vocab_size, f">= vocab_size={self.vocab_size}"
-        if field == "labels" and bad is None:
-            valid = (flat == self.ignore_index) | (flat >= 0)
-            if not valid.all():
-                bad, what = ~valid, f"negative and not ignore_index={self.ignore_index}"
-        if bad is not None:
+        if int(flat.min()) < 0:
+            bad = flat < 0 if target is None else (flat < 0) & target
+            what = "negative" if target is None else f"negative and not ignore_index={self.ignore_index}"
+        if (bad is None or not bad.any()) and self.vocab_size is not None and (
+                int(flat.max()) >= self.vocab_size):
+            bad = flat >= self.vocab_size if target is None else (flat >= self.vocab_size) & target
+            what = f">= vocab_size={self.vocab_size}"
+        if bad is not None and bad.any():
             t = int(np.argmax(bad))
             ex = int(np.searchsorted(doc_off, t, side="right")) - 1
             raise ValueError(f"{field} of example {ex} holds {what} value {int(flat[t])} "

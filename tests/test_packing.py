@@ -81,22 +81,23 @@ def random_docs(rng: np.random.Generator, n_docs: int, max_len: int) -> list[lis
 @given(docs=docs_st, cp_size=st.sampled_from(CP_SIZES), kind=st.sampled_from(
     ["list", "tuple", "tensor", "numpy"]), with_labels=st.booleans(),
     max_seqlen_chunks=st.sampled_from([None, 1, 3]), pad_chunks=st.sampled_from([None, 1, 5]),
-    pad_id=st.integers(0, 5))
+    pad_id=st.integers(0, 5), ignore_index=st.sampled_from([IGNORE, -1]))
 def test_collator_matches_reference(docs, cp_size, kind, with_labels, max_seqlen_chunks,
-                                    pad_chunks, pad_id):
+                                    pad_chunks, pad_id, ignore_index):
     m = 2 * cp_size
     max_seqlen = None if max_seqlen_chunks is None else max_seqlen_chunks * m
     pad_to = None if pad_chunks is None else pad_chunks * m
     rng = np.random.default_rng(len(docs))
-    labels = [rng.choice([IGNORE, *range(50)], size=len(d)).tolist() if with_labels and k % 2 == 0
+    labels = [rng.choice([ignore_index, *range(50)], size=len(d)).tolist() if with_labels and k % 2 == 0
               else None for k, d in enumerate(docs)]
     examples = [{"input_ids": as_kind(d, kind)} | ({} if lab is None else {"labels": lab})
                 for d, lab in zip(docs, labels, strict=True)]
-    collate = PackingCollator(cp_size=cp_size, pad_id=pad_id, pad_to_multiple=pad_to,
-                              max_seqlen=max_seqlen)
+    collate = PackingCollator(cp_size=cp_size, pad_id=pad_id, ignore_index=ignore_index,
+                              pad_to_multiple=pad_to, max_seqlen=max_seqlen)
     b = collate(examples)
     ids, labs, pos, cu, seq_lens = reference_pack(docs, labels, cp_size=cp_size, pad_id=pad_id,
-                                                  max_seqlen=max_seqlen, pad_to_multiple=pad_to)
+                                                  ignore_index=ignore_index, max_seqlen=max_seqlen,
+                                                  pad_to_multiple=pad_to)
     assert b.input_ids.tolist() == ids
     assert b.labels.tolist() == labs
     assert b.position_ids.tolist() == pos
@@ -533,3 +534,17 @@ def test_bad_packed_iterable_dataset_args_at_construction():
         PackedIterableDataset([[1]], PackingCollator(), 8, buffer_size=0)
     with pytest.raises(TypeError, match="collator"):
         PackedIterableDataset([[1]], None, 8)
+
+
+def test_ignore_index_at_or_beyond_vocab_size_is_not_a_bad_label():
+    b = PackingCollator(vocab_size=10, ignore_index=10)(
+        [{"input_ids": [1, 2, 3, 4], "labels": [5, 10, 3, 7]}])
+    assert b.labels.tolist() == [10, 3, 7, 10]
+    with pytest.raises(ValueError, match="labels of example 0 holds >= vocab_size=10 value 11"):
+        PackingCollator(vocab_size=10, ignore_index=10)([{"input_ids": [1, 2], "labels": [10, 11]}])
+
+
+def test_bad_max_tokens_not_a_multiple_of_pad_to_multiple():
+    """Otherwise a batch within the budget (70 tokens) pads past it (128 > 100) at run time."""
+    with pytest.raises(ValueError, match="max_tokens=100 must be a multiple of pad_to_multiple=64"):
+        PackingCollator(max_tokens=100, pad_to_multiple=64)
