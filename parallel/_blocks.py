@@ -84,11 +84,13 @@ def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     both = none1 & none2
     lse = torch.where(none2, lse1, torch.where(none1, lse2, torch.logaddexp(lse1, lse2)))
     safe = lse.masked_fill(both, 0.0)
-    w1 = torch.exp(lse1 - safe).T.unsqueeze(-1)
-    w2 = torch.exp(lse2 - safe).T.unsqueeze(-1)
-    out = torch.where(none2.T.unsqueeze(-1), out1,
-                      torch.where(none1.T.unsqueeze(-1), out2, out1 * w1 + out2 * w2))
-    out = out.masked_fill(both.T.unsqueeze(-1), 0.0)
+    rows = lambda x: x.T.unsqueeze(-1)  # [H, n] -> [n, H, 1]
+    # one output-sized temporary: out = out2 * w2 + out1 * w1, then the exact cases in place
+    out = out2 * rows(torch.exp(lse2 - safe))
+    out.addcmul_(out1, rows(torch.exp(lse1 - safe)))
+    torch.where(rows(none2), out1, out, out=out)
+    torch.where(rows(none1), out2, out, out=out)
+    out.masked_fill_(rows(both), 0.0)
     return out, lse
 
 

@@ -399,8 +399,8 @@ class _CPAttention(torch.autograd.Function):
                 auxs.append(aux)
                 _merge_into(out_acc, lse_acc, parts, first=len(auxs) == 1)
         valid = plan.valid_rows
-        out = torch.where(valid[:, None, None], out_acc, 0.0).to(q.dtype)
-        lse = torch.where(valid[None, :], lse_acc, NEG_INF)
+        out = out_acc.masked_fill_(~valid[:, None, None], 0.0).to(q.dtype)
+        lse = lse_acc.masked_fill_(~valid[None, :], NEG_INF)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.be, ctx.group, ctx.scale, ctx.auxs = plan, be, group, scale, auxs
         return out
@@ -440,8 +440,8 @@ class _CPAttention(torch.autograd.Function):
                 grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, aux)
                 _add_grads(dq, dkv_glob[0], dkv_glob[1], grads)
             dkv += _scatter_global_grads(dkv_glob, plan, group, q.shape[0])
-        valid = plan.valid_rows[:, None, None]
-        dq = torch.where(valid, dq, 0.0).to(q.dtype)
-        dk = torch.where(valid, dkv[0], 0.0).to(k.dtype)
-        dv = torch.where(valid, dkv[1], 0.0).to(v.dtype)
+        pad = ~plan.valid_rows[:, None, None]
+        dq = dq.masked_fill_(pad, 0.0).to(q.dtype)
+        dk = dkv[0].masked_fill_(pad, 0.0).to(k.dtype)
+        dv = dkv[1].masked_fill_(pad, 0.0).to(v.dtype)
         return dq, dk, dv, None, None, None, None
