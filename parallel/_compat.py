@@ -137,8 +137,10 @@ def _flash_attn_interface():
     if _version_tuple(flash_attn.__version__) < (2, 6):
         raise RuntimeError(f"flash_attn {flash_attn.__version__} is too old for cp_rope "
                            "(needs >= 2.6); upgrade it or pass backend='torch_flash'")
-    fwd_params = inspect.signature(fai._flash_attn_varlen_forward).parameters
-    split_window = "window_size_left" in fwd_params  # 2.7+; 2.6 takes window_size=(l, r)
+    try:  # 2.7+ takes window_size_left/right; 2.6 a window_size=(left, right) tuple
+        split_window = "window_size_left" in inspect.signature(fai._flash_attn_varlen_forward).parameters
+    except (TypeError, ValueError):  # wrapped as a torch custom op: 2.7+
+        split_window = True
     return fai, split_window
 
 
