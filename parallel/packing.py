@@ -685,19 +685,32 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
         a ``DataLoader`` with ``num_workers=0``. Worker processes prefetch
         batches, so then pass the count the training loop has consumed.
         """
-        n = self._consumed if batches_consumed is None else int(batches_consumed)
+        n = self._consumed if batches_consumed is None else _int_arg(
+            batches_consumed, "batches_consumed", 0)
         return {"epoch": self.epoch, "batches_consumed": n, "fingerprint": self._fingerprint}
 
     def load_state_dict(self, state: Mapping[str, int]) -> None:
-        """Resume: the next iteration starts after ``state["batches_consumed"]`` batches."""
-        if state.get("fingerprint") != self._fingerprint:
+        """Resume: the next iteration starts after ``state["batches_consumed"]`` batches.
+
+        Raises: TypeError if ``state`` is not a mapping; ValueError if a key is
+        missing, the fingerprint differs, or ``batches_consumed`` is outside the
+        epoch (the sampler is left unchanged).
+        """
+        if not isinstance(state, Mapping):
+            raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
+        for key in ("epoch", "batches_consumed", "fingerprint"):
+            if key not in state:
+                raise ValueError(f"state: missing key {key!r} (keys: {sorted(state)})")
+        if state["fingerprint"] != self._fingerprint:
             raise ValueError("state: saved by a sampler with other lengths or settings "
                              "(lengths, max_tokens, cp_size, window, shuffle, seed, dp_size, "
                              "drop_last must match)")
-        self.epoch = int(state["epoch"])
-        n = int(state["batches_consumed"])
-        if not 0 <= n <= len(self):
-            raise ValueError(f"state: batches_consumed={n} outside [0, {len(self)}]")
+        epoch, n = int(state["epoch"]), int(state["batches_consumed"])
+        old_epoch, self.epoch = self.epoch, epoch
+        n_batches = len(self)
+        if not 0 <= n <= n_batches:
+            self.epoch = old_epoch
+            raise ValueError(f"state: batches_consumed={n} outside [0, {n_batches}]")
         self._resume_at = self._consumed = n
 
 

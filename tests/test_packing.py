@@ -548,3 +548,16 @@ def test_bad_max_tokens_not_a_multiple_of_pad_to_multiple():
     """Otherwise a batch within the budget (70 tokens) pads past it (128 > 100) at run time."""
     with pytest.raises(ValueError, match="max_tokens=100 must be a multiple of pad_to_multiple=64"):
         PackingCollator(max_tokens=100, pad_to_multiple=64)
+
+
+def test_bad_sampler_state():
+    s = TokenBudgetBatchSampler([3, 4, 5], 8)
+    good = s.state_dict()
+    with pytest.raises(TypeError, match="state must be a mapping"):
+        s.load_state_dict([1, 2])
+    with pytest.raises(ValueError, match="state: missing key 'batches_consumed'"):
+        s.load_state_dict({k: v for k, v in good.items() if k != "batches_consumed"})
+    with pytest.raises(ValueError, match="batches_consumed must be >= 0"):
+        s.state_dict(batches_consumed=-1)
+    with pytest.raises(TypeError, match="batches_consumed must be an int"):
+        s.state_dict(batches_consumed="2")
