@@ -138,9 +138,11 @@ class Corpus:
 def stdlib_files() -> list[str]:
     """Sorted paths of the running Python's standard-library ``*.py`` files (no site-packages)."""
     root = sysconfig.get_paths()["stdlib"]
-    files = glob.glob(os.path.join(root, "**", "*.py"), recursive=True)
-    skip = (os.sep + "site-packages" + os.sep, os.sep + "dist-packages" + os.sep)
-    return sorted(f for f in files if not any(s in f for s in skip))
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in ("site-packages", "dist-packages", "__pycache__")]
+        files += [os.path.join(dirpath, f) for f in filenames if f.endswith(".py")]
+    return sorted(files)
 
 
 def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
