@@ -330,9 +330,7 @@ class PackingCollator:
         if max_seqlen is not None and max_seqlen % m:
             raise ValueError(f"max_seqlen={max_seqlen} must be a multiple of 2 * cp_size = {m}")
         vocab_size = _positive_int(vocab_size, "vocab_size", allow_none=True)
-        for name, v in (("pad_id", pad_id), ("ignore_index", ignore_index)):
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+        pad_id, ignore_index = _int_arg(pad_id, "pad_id"), _int_arg(ignore_index, "ignore_index")
         if pad_id < 0 or (vocab_size is not None and pad_id >= vocab_size):
             raise ValueError(f"pad_id={pad_id} must be in [0, vocab_size={vocab_size})")
         self.cp_size, self.cp_rank = cp_size, cp_rank
@@ -759,7 +757,16 @@ def pack_iterable(examples: Iterable[Any], max_tokens: int, *, cp_size: int = 1,
     Order is deterministic for a given stream. Empty documents are passed on
     (the collator drops and counts them).
 
-    Raises: ``ValueError`` for ``max_tokens < 2 * cp_size`` or ``buffer_size < 1``.
+    Args:
+        examples: any iterable of examples (what :class:`PackingCollator` takes).
+        max_tokens: token budget per yielded list, padding for ``cp_size`` included.
+        cp_size: CP degree the collator will pad for.
+        buffer_size: examples (or pieces) held before packing.
+
+    Yields: lists of examples (or spans of them, see :class:`SpanDataset`).
+
+    Raises: ``TypeError`` for non-int arguments; ``ValueError`` for
+    ``max_tokens < 2 * cp_size`` or ``buffer_size < 1``.
     """
     check_cp_args(cp_size, 0)
     max_tokens = _check_budget(max_tokens, cp_size)
@@ -800,11 +807,25 @@ class PackedIterableDataset(IterableDataset):
     ``dp_rank``, so it sees the same batches. ``source`` must be re-iterable
     (a list, a Hugging Face dataset, an object whose ``__iter__`` restarts the
     stream). With a finite stream, DP ranks can end with different numbers of
-    batches: bound training by steps.
+    batches: bound training by steps. Every worker of every DP rank reads the
+    whole stream and keeps its share.
+
+    Args:
+        source: re-iterable examples.
+        collator: the :class:`PackingCollator` that builds each batch.
+        max_tokens, buffer_size: see :func:`pack_iterable`.
+        dp_size, dp_rank: data-parallel degree and this rank.
+
+    Raises: ``TypeError`` for a one-shot ``source`` (a generator or iterator), a
+    ``collator`` that is not a :class:`PackingCollator` or non-int arguments;
+    ``ValueError`` for out-of-range ones (see :func:`pack_iterable`).
     """
 
     def __init__(self, source: Iterable[Any], collator: PackingCollator, max_tokens: int, *,
                  buffer_size: int = 1024, dp_size: int = 1, dp_rank: int = 0):
+        if isinstance(source, Iterator):
+            raise TypeError(f"source must be re-iterable (a list, a dataset), got the one-shot "
+                            f"{type(source).__name__}: it would be empty after the first epoch")
         if not isinstance(collator, PackingCollator):
             raise TypeError(f"collator must be a PackingCollator, got {type(collator).__name__}")
         dp_size, dp_rank = _check_dp(dp_size, dp_rank)

@@ -561,3 +561,14 @@ def test_bad_sampler_state():
         s.state_dict(batches_consumed=-1)
     with pytest.raises(TypeError, match="batches_consumed must be an int"):
         s.state_dict(batches_consumed="2")
+
+
+def test_bad_packed_iterable_dataset_one_shot_source():
+    """A generator would be used up by the first epoch; later epochs would silently be empty."""
+    with pytest.raises(TypeError, match="source must be re-iterable"):
+        PackedIterableDataset((d for d in [[1, 2], [3]]), PackingCollator(), 8)
+
+
+def test_collator_pad_id_and_ignore_index_accept_numpy_ints():
+    b = PackingCollator(pad_id=np.int64(7), ignore_index=np.int32(-1))([[1, 2, 3]])
+    assert b.input_ids.tolist() == [1, 2, 3, 7] and b.labels.tolist() == [2, 3, -1, -1]
