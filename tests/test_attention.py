@@ -17,11 +17,12 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
-from cp_rope.parallel._blocks import Block, get_backend, merge_partials
-from cp_rope.parallel.sharding import local_cu_seqlens
 from dist_utils import run_distributed
 from utils import assert_close
+
+from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
+from cp_rope.parallel._blocks import Block, _Reference, get_backend, merge_partials
+from cp_rope.parallel.sharding import local_cu_seqlens
 
 F64_EXACT = {"atol": 1e-10, "rtol": 0.0}
 
@@ -193,11 +194,13 @@ def test_bad_inputs():
 
 # --------------------------------------------------------------------------- multi-rank
 
-def _make_case(seed, cp_size, hq, hkv, d, causal):
+def _make_case(seed, cp_size, hq, hkv, d, one_seq):
     gen = torch.Generator().manual_seed(seed)
     pool = [0, 1, 2 * cp_size, 2 * cp_size + 1, 3, 9, 23]
     lens = [pool[int(i)] for i in torch.randint(0, len(pool), (6,), generator=gen)] + [0, 1, 2 * cp_size]
     lens = [lens[int(i)] for i in torch.randperm(len(lens), generator=gen)]
+    if one_seq:
+        lens = [37]
     padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in lens]
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
     n = int(cu[-1])
@@ -205,13 +208,82 @@ def _make_case(seed, cp_size, hq, hkv, d, causal):
     return lens, cu, tensors
 
 
+# Fake GPU kernels: the reference math behind the exact conventions of the CUDA kernels
+# (flash: LSE +inf for rows without keys, rows past cu_q[-1] / cu_k[-1] left unwritten;
+# cuDNN: dense [1, H, S, D] views), so the CPU tests drive the GPU backends' glue code:
+# segment building, max_q / max_k bounds, partial rows, aux plumbing.
+
+def _check_bounds(cu_q, cu_k, max_q, max_k):
+    lq, lk = (cu_q[1:] - cu_q[:-1]), (cu_k[1:] - cu_k[:-1])
+    assert int(lq.max()) <= max_q and int(lk.max()) <= max_k, (lq.tolist(), max_q, lk.tolist(), max_k)
+
+
+def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    _check_bounds(cu_q, cu_k, max_q, max_k)
+    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
+    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
+    out[int(cu_q[-1]):], lse[:, int(cu_q[-1]):] = float("nan"), float("nan")
+    return out, lse, "rng", "unused"
+
+
+def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
+    assert (rng, unused) == ("rng", "unused")
+    _check_bounds(cu_q, cu_k, max_q, max_k)
+    blk = Block(cu_q, cu_k, max_q, max_k, causal)
+    [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
+    dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
+    return dq, dk, dv
+
+
+def _dense(fn, *bhsd):
+    """Run a [S, H, D] function on [1, H, S, D] views."""
+    return fn(*(t[0].transpose(0, 1) for t in bhsd))
+
+
+def fake_cudnn_fwd(q, k, v, causal, scale):
+    sq, sk = q.shape[2], k.shape[2]
+    blk = Block(torch.tensor([0, sq]), torch.tensor([0, sk]), sq, sk, causal)
+    [(_, out, lse)], _ = _dense(lambda q, k, v: _Reference().forward(q, k, v, blk, scale), q, k, v)
+    return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0), ("aux", blk)
+
+
+def fake_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
+    tag, blk = aux
+    assert tag == "aux" and blk.causal == causal
+    [(_, *grads)] = _dense(lambda do, q, k, v, o: _Reference().backward(
+        do, q, k, v, o, lse[0], blk, scale, None), dout, q, k, v, out)
+    dq, _, dk, dv = grads
+    return tuple(g.transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
+
+
+def _install_fake_kernels():
+    from cp_rope.parallel import _blocks, _compat
+    from cp_rope.parallel import attention as att
+
+    _compat.torch_cudnn_fwd, _compat.torch_cudnn_bwd = fake_cudnn_fwd, fake_cudnn_bwd
+    real = att.get_backend
+    fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
+             "fake_cudnn": _blocks._Cudnn}
+    att.get_backend = lambda name, q, n: fakes[name]() if name in fakes else real(name, q, n)
+
+
 def _parity_body(rank, world_size):
+    _install_fake_kernels()
     group = dist.group.WORLD
-    cases = [  # (hq, hkv, d, causal); case 5 feeds non-contiguous q/k/v views
-        (4, 4, 16, True), (6, 2, 8, True), (4, 4, 16, False), (6, 2, 24, False), (1, 1, 8, True),
-        (3, 1, 80, True)]
-    for ci, (hq, hkv, d, causal) in enumerate(cases):
-        lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, causal)
+    cases = [  # (hq, hkv, d, causal, backend, one sequence)
+        (4, 4, 16, True, "reference", False),  # 0: + trailing rows
+        (6, 2, 8, True, "reference", False),  # 1: softmax_scale
+        (4, 4, 16, False, "reference", False),
+        (6, 2, 24, False, "reference", False),
+        (1, 1, 8, True, "reference", False),  # 4: group=None at world size 1
+        (3, 1, 80, True, "reference", False),  # 5: non-contiguous q/k/v views
+        (6, 2, 16, True, "fake_flash", False),  # 6: + trailing rows
+        (4, 2, 16, False, "fake_flash", False),
+        (4, 2, 16, True, "fake_cudnn", True),  # 8: + trailing rows
+        (4, 4, 16, True, "fake_flash", True),
+    ]
+    for ci, (hq, hkv, d, causal, backend, one_seq) in enumerate(cases):
+        lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, one_seq)
         seq_lens = None if causal else torch.tensor(lens)
         scale = 0.3 if ci == 1 else None
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -220,7 +292,7 @@ def _parity_body(rank, world_size):
         local_cu = local_cu_seqlens(cu, world_size)
         max_local = int((local_cu[1:] - local_cu[:-1]).max())
         n_local = int(local_cu[-1])
-        extra = 2 if ci == 0 else 0  # trailing rows that belong to no sequence
+        extra = 2 if ci in (0, 6, 8) else 0  # trailing rows that belong to no sequence
         for method in ("ring", "allgather"):
             loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
             loc = [torch.cat([t, torch.randn(extra, *t.shape[1:], dtype=t.dtype)]) for t in loc]
@@ -230,10 +302,10 @@ def _parity_body(rank, world_size):
             ql, kl, vl = (t.requires_grad_() for t in loc[:3])
             out = context_parallel_attention(
                 ql, kl, vl, local_cu, max_local, group=group if ci != 4 or world_size > 1 else None,
-                causal=causal, softmax_scale=scale, method=method, backend="reference",
+                causal=causal, softmax_scale=scale, method=method, backend=backend,
                 seq_lens=seq_lens)
             out.backward(loc[3])
-            tag = f"ws{world_size} case{ci} {method} rank{rank}"
+            tag = f"ws{world_size} case{ci} {backend} {method} rank{rank}"
             for got in (out, ql.grad, kl.grad, vl.grad):
                 assert torch.equal(got[n_local:], torch.zeros_like(got[n_local:])), tag
             for name, got, exp in zip(("out", "dq", "dk", "dv"), (out, ql.grad, kl.grad, vl.grad),

@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for torchrun
-from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
-from cp_rope.parallel.sharding import local_cu_seqlens  # noqa: E402
 from test_attention import naive_attention  # noqa: E402
 from utils import assert_close  # noqa: E402
+
+from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
+from cp_rope.parallel.sharding import local_cu_seqlens  # noqa: E402
 
 # (name, real lengths, hq, hkv, head_dim, causal, backends)
 CASES = [
