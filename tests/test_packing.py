@@ -139,9 +139,15 @@ def test_labels_are_next_token_of_same_document(docs, cp_size):
 @given(docs=docs_st, cp_size=st.sampled_from(CP_SIZES), data=st.data())
 def test_collator_cp_rank_returns_shard_of_global_batch(docs, cp_size, data):
     cp_rank = data.draw(st.integers(0, cp_size - 1))
+    kw = data.draw(st.sampled_from([{}, dict(pad_to_multiple=6 * cp_size),
+                                    dict(pad_to_multiple=8 * cp_size, max_seqlen=4 * cp_size)]))
     examples = [{"input_ids": d} for d in docs]
-    global_batch = PackingCollator(cp_size=cp_size)(examples)
-    local = PackingCollator(cp_size=cp_size, cp_rank=cp_rank)(examples)
+    global_batch = PackingCollator(cp_size=cp_size, **kw)(examples)
+    local = PackingCollator(cp_size=cp_size, cp_rank=cp_rank, **kw)(examples)
+    via_shard_batch = shard_batch(global_batch, cp_size, cp_rank)
+    for name in PackedBatch._TENSORS:
+        assert torch.equal(getattr(local, name), getattr(via_shard_batch, name)), name
+    assert local.max_seqlen == via_shard_batch.max_seqlen
     idx = cp_shard_indices(global_batch.cu_seqlens, cp_size, cp_rank)
     assert (local.cp_size, local.cp_rank) == (cp_size, cp_rank)
     assert torch.equal(local.input_ids, global_batch.input_ids[idx])
