@@ -122,10 +122,15 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     ``cp_size``); ``seq_lens`` (true global lengths) is shared, not copied.
 
     Raises:
+        TypeError: ``batch`` is not a PackedBatch; cp args not ints.
         ValueError: the batch is already a shard (``batch.cp_size != 1``), has
             trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
             divisible by ``2 * cp_size``; ``cp_rank`` out of range.
     """
+    from .packing import PackedBatch  # noqa: PLC0415 (packing imports this module)
+
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
     check_cp_args(cp_size, cp_rank)
     if batch.cp_size != 1:
         raise ValueError(f"batch: already a shard (cp_size={batch.cp_size}, "

@@ -168,3 +168,8 @@ def test_bad_shard_tensor_rows():
         unshard([1, 2], torch.tensor([0, 2]))
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):
         unshard(torch.arange(2), [0, 2])
+
+
+def test_bad_shard_batch_argument_type():
+    with pytest.raises(TypeError, match="batch must be a PackedBatch"):
+        shard_batch({"input_ids": torch.arange(4)}, 2, 0)
