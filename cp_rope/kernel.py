@@ -25,6 +25,7 @@ stride, so tensors over 2**31 elements work.
 from __future__ import annotations
 
 import contextlib
+import os
 
 import torch
 import triton
@@ -192,6 +193,9 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
     cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
     cu_seqlens int32 ``[B + 1]``. Arguments are assumed checked by the caller.
     """
+    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', or "
+                         "TRITON_INTERPRET=1 (set before cp_rope is imported) to interpret the kernel")
     n_tokens, n_heads_q, head_dim = q.shape
     n_heads_k = k.shape[1]
     if n_tokens == 0 or n_heads_q + n_heads_k == 0:

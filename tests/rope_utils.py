@@ -46,11 +46,18 @@ def random_cu_seqlens(gen: torch.Generator, n_seqs: int, cp_size: int, max_len: 
     return torch.cat((torch.zeros(1, dtype=torch.int64), lens.cumsum(0))).to(torch.int32)
 
 
+def device_for(backend: str) -> torch.device:
+    """Where a test of ``backend`` runs: the Triton backend on CUDA when there is
+    a GPU (it cannot take CPU tensors there), on CPU under TRITON_INTERPRET=1
+    otherwise; the PyTorch backend on CPU."""
+    return torch.device("cuda" if backend == "triton" and torch.cuda.is_available() else "cpu")
+
+
 def thd(gen: torch.Generator, n_tokens: int, heads: int, head_dim: int, dtype: torch.dtype,
-        strided: bool = False) -> torch.Tensor:
-    """Fresh random ``[T, H, D]``; ``strided``: a non-contiguous view (a head slice
-    of a wider fused buffer whose token stride is not H * D)."""
+        strided: bool = False, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Fresh random ``[T, H, D]`` on ``device``; ``strided``: a non-contiguous view
+    (a head slice of a wider fused buffer whose token stride is not H * D)."""
     if not strided:
-        return torch.randn(n_tokens, heads, head_dim, generator=gen).to(dtype)
-    buf = torch.randn(n_tokens, heads + 3, head_dim, generator=gen).to(dtype)
+        return torch.randn(n_tokens, heads, head_dim, generator=gen).to(device, dtype)
+    buf = torch.randn(n_tokens, heads + 3, head_dim, generator=gen).to(device, dtype)
     return buf[:, 2:2 + heads]

@@ -11,16 +11,16 @@ import math
 
 import pytest
 import torch
-from cp_rope.parallel.sharding import cp_shard_indices, local_cu_seqlens
 from hypothesis import given
 from hypothesis import strategies as st
-from rope_utils import random_cu_seqlens, rope_reference, thd
+from rope_utils import device_for, random_cu_seqlens, rope_reference, thd
 from utils import assert_close, poison_
 
 import cp_rope
 from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache
 from cp_rope.kernel import rotary_triton
 from cp_rope.ops import resolve_backend
+from cp_rope.parallel.sharding import cp_shard_indices, local_cu_seqlens
 from cp_rope.reference import rotary_torch, token_positions
 
 BACKENDS = ["torch", "triton"]
@@ -56,21 +56,24 @@ def test_forward_backward_grid(dtype, rot_frac, interleaved, cp, backend):
     rotary_dim = int(head_dim * rot_frac) // 2 * 2
     cu = random_cu_seqlens(gen, 9, cp_size)
     n_tokens = int(cu[-1]) + 5
+    dev = device_for(backend)
     cos, sin = rope_cache(cp_size * 24 + 2, rotary_dim)
-    q = thd(gen, n_tokens, 2, head_dim, dtype, strided=True).requires_grad_()
-    k = thd(gen, n_tokens, 1, head_dim, dtype).requires_grad_()
-    qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, max_seqlen=24, cp_size=cp_size,
-                                 cp_rank=cp_rank, interleaved=interleaved, backend=backend)
-    ref_in = [t.detach().to(torch.float64).requires_grad_() for t in (q, k)]
+    q = thd(gen, n_tokens, 2, head_dim, dtype, strided=True, device=dev).requires_grad_()
+    k = thd(gen, n_tokens, 1, head_dim, dtype, device=dev).requires_grad_()
+    qo, ko = apply_rotary_emb_qk(q, k, cos.to(dev), sin.to(dev), cu.to(dev), max_seqlen=24,
+                                 cp_size=cp_size, cp_rank=cp_rank, interleaved=interleaved,
+                                 backend=backend)
+    ref_in = [t.detach().to("cpu", torch.float64).requires_grad_() for t in (q, k)]
     refs = [rope_reference(t, cos, sin, cu, cp_size, cp_rank, interleaved) for t in ref_in]
     assert_close(qo, refs[0], name="q_out")
     assert_close(ko, refs[1], name="k_out")
     weights = {"sum": [torch.ones_like(qo), torch.ones_like(ko)],
-               "weighted": [torch.randn(t.shape, generator=gen).to(dtype) for t in (qo, ko)]}
+               "weighted": [torch.randn(t.shape, generator=gen).to(dev, dtype) for t in (qo, ko)]}
     for loss_name, (wq, wk) in weights.items():
         loss = (qo * wq).sum() + (ko * wk).sum() if loss_name == "weighted" else qo.sum() + ko.sum()
         gq, gk = torch.autograd.grad(loss, (q, k), retain_graph=True)
-        ref_loss = sum((r * w.to(torch.float64)).sum() for r, w in zip(refs, (wq, wk), strict=True))
+        ref_loss = sum((r * w.to("cpu", torch.float64)).sum()
+                       for r, w in zip(refs, (wq, wk), strict=True))
         rq, rk = torch.autograd.grad(ref_loss, ref_in, retain_graph=True)
         assert_close(gq, rq, name=f"dq ({loss_name})")
         assert_close(gk, rk, name=f"dk ({loss_name})")
@@ -95,16 +98,18 @@ def test_te_boundaries_sharded_equals_global(cp_size, backend):
     heads, head_dim = (4, 128) if backend == "torch" else (1, 16)
     cu = _te_global_cu(cp_size)
     total = int(cu[-1])
+    dev = device_for(backend)
     cos, sin = rope_cache(total, head_dim)
     x = thd(gen, total, heads, head_dim, torch.float32)
     expected = rope_reference(x, cos, sin, cu)
-    whole = apply_rotary_emb(x, cos, sin, cu, max_seqlen=total, backend=backend)
+    cos, sin, xd = cos.to(dev), sin.to(dev), x.to(dev)
+    whole = apply_rotary_emb(xd, cos, sin, cu.to(dev), max_seqlen=total, backend=backend)
     assert_close(whole, expected, name="cp_size=1")
-    rebuilt = torch.full_like(x, float("nan"))
-    local_cu = local_cu_seqlens(cu, cp_size)
+    rebuilt = torch.full_like(xd, float("nan"))
+    local_cu = local_cu_seqlens(cu, cp_size).to(dev)
     for rank in range(cp_size):
-        idx = cp_shard_indices(cu, cp_size, rank)
-        rebuilt[idx] = apply_rotary_emb(x[idx], cos, sin, local_cu, cp_size=cp_size,
+        idx = cp_shard_indices(cu, cp_size, rank).to(dev)
+        rebuilt[idx] = apply_rotary_emb(xd[idx], cos, sin, local_cu, cp_size=cp_size,
                                         cp_rank=rank, backend=backend)
     assert torch.equal(rebuilt, whole)
 
@@ -114,10 +119,11 @@ def test_every_row_and_dim_written(backend):
     """Launcher level, into poisoned (NaN) outputs: trailing padding rows and the
     pass-through dims come out equal to the input; the rest is rotated."""
     gen = torch.Generator().manual_seed(1)
-    cu = torch.tensor([0, 3, 3, 7, 8, 8, 8], dtype=torch.int32)
-    q = thd(gen, 13, 3, 20, torch.bfloat16)
-    k = thd(gen, 13, 2, 20, torch.bfloat16)
-    cos, sin = rope_cache(16, 12)
+    dev = device_for(backend)
+    cu = torch.tensor([0, 3, 3, 7, 8, 8, 8], dtype=torch.int32, device=dev)
+    q = thd(gen, 13, 3, 20, torch.bfloat16, device=dev)
+    k = thd(gen, 13, 2, 20, torch.bfloat16, device=dev)
+    cos, sin = rope_cache(16, 12, device=dev)
     out_q, out_k = poison_(torch.empty_like(q)), poison_(torch.empty_like(k))
     if backend == "triton":
         rotary_triton(q, k, out_q, out_k, cos, sin, cu, 1, 0, False, False)
@@ -133,10 +139,12 @@ def test_every_row_and_dim_written(backend):
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gqa_one_launch_equals_two(backend):
     gen = torch.Generator().manual_seed(2)
+    dev = device_for(backend)
     cu = random_cu_seqlens(gen, 6, 2)
     n = int(cu[-1]) + 3
-    cos, sin = rope_cache(64, 32)
-    q, k = thd(gen, n, 5, 32, torch.bfloat16), thd(gen, n, 1, 32, torch.bfloat16)
+    cu = cu.to(dev)
+    cos, sin = rope_cache(64, 32, device=dev)
+    q, k = (thd(gen, n, h, 32, torch.bfloat16, device=dev) for h in (5, 1))
     qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, cp_size=2, cp_rank=1, backend=backend)
     assert torch.equal(qo, apply_rotary_emb(q, cos, sin, cu, cp_size=2, cp_rank=1, backend=backend))
     assert torch.equal(ko, apply_rotary_emb(k, cos, sin, cu, cp_size=2, cp_rank=1, backend=backend))
@@ -149,12 +157,14 @@ def test_fused_projection_views(backend, inplace):
     rotary): same result as on contiguous copies; in place, v is untouched and
     the returned tensors are the inputs."""
     gen = torch.Generator().manual_seed(3)
+    dev = device_for(backend)
     cu = random_cu_seqlens(gen, 5, 1)
     n = int(cu[-1]) + 2
-    qkv = thd(gen, n, 8, 24, torch.float16)
+    cu = cu.to(dev)
+    qkv = thd(gen, n, 8, 24, torch.float16, device=dev)
     q, k, v = qkv[:, :4], qkv[:, 4:6], qkv[:, 6:]
     v0, q0, k0 = v.clone(), q.contiguous(), k.contiguous()
-    cos, sin = rope_cache(32, 16)
+    cos, sin = rope_cache(32, 16, device=dev)
     eq, ek = apply_rotary_emb_qk(q0, k0, cos, sin, cu, backend=backend)
     qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, inplace=inplace, backend=backend)
     assert torch.equal(qo, eq) and torch.equal(ko, ek)
@@ -165,12 +175,14 @@ def test_fused_projection_views(backend, inplace):
 
 def test_inplace_single_tensor_and_not_differentiable():
     gen = torch.Generator().manual_seed(4)
-    cu = torch.tensor([0, 5, 9], dtype=torch.int32)
-    x = thd(gen, 9, 2, 8, torch.float32)
-    cos, sin = rope_cache(16, 8)
-    expected = apply_rotary_emb(x, cos, sin, cu, backend="torch")
+    dev = device_for("triton")
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32, device=dev)
+    x = thd(gen, 9, 2, 8, torch.float32, device=dev)
+    cos, sin = rope_cache(16, 8, device=dev)
+    expected = rope_reference(x, cos, sin, cu)
     out = apply_rotary_emb(x, cos, sin, cu, inplace=True, backend="triton")
-    assert out is x and torch.equal(x, expected)
+    assert out is x
+    assert_close(x, expected, name="in place")
     with pytest.raises(ValueError, match="inplace"):
         apply_rotary_emb(x.clone().requires_grad_(), cos, sin, cu, inplace=True)
 
@@ -198,7 +210,8 @@ def test_accuracy_at_2_pow_21_positions(backend):
     sequences of 2c rows on rank r hold positions (r*c .. r*c+c-1) and
     ((2C-1-r)*c ..), and C*2c = 2**21."""
     n_pos, rotary_dim = 2**21, 16
-    cos, sin = rope_cache(n_pos, rotary_dim)
+    dev = device_for(backend)
+    cos, sin = rope_cache(n_pos, rotary_dim, device=dev)
     c = 4
     cp_size = n_pos // (2 * c)
     gen = torch.Generator().manual_seed(6)
@@ -207,7 +220,8 @@ def test_accuracy_at_2_pow_21_positions(backend):
     worst = 0.0
     for rank in (0, cp_size // 3, cp_size - 1):
         x = thd(gen, 6 * c, 2, rotary_dim, torch.float32)
-        out = apply_rotary_emb(x, cos, sin, cu, cp_size=cp_size, cp_rank=rank, backend=backend)
+        out = apply_rotary_emb(x.to(dev), cos, sin, cu.to(dev), cp_size=cp_size, cp_rank=rank,
+                               backend=backend).cpu()
         ang = global_positions(cu, cp_size, rank).to(torch.float64)[:, None] * freq
         exact = rope_reference(x, torch.cos(ang), torch.sin(ang), torch.tensor([0, 6 * c], dtype=torch.int32))
         worst = max(worst, (out.double() - exact).abs().max().item())
