@@ -10,6 +10,8 @@ chunk ``2 * cp_size - 1 - r``.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 __all__ = ["global_positions", "check_cp_args"]
@@ -17,10 +19,10 @@ __all__ = ["global_positions", "check_cp_args"]
 
 def check_cp_args(cp_size: int, cp_rank: int) -> None:
     """Raise ``TypeError``/``ValueError`` naming the argument if (cp_size, cp_rank) is invalid."""
-    if isinstance(cp_size, bool) or not isinstance(cp_size, int):
-        raise TypeError(f"cp_size must be an int, got {type(cp_size).__name__}")
-    if isinstance(cp_rank, bool) or not isinstance(cp_rank, int):
-        raise TypeError(f"cp_rank must be an int, got {type(cp_rank).__name__}")
+    for name, value in (("cp_size", cp_size), ("cp_rank", cp_rank)):
+        # Python and numpy integers (numbers.Integral); bool and tensors are refused.
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
     if cp_size < 1:
         raise ValueError(f"cp_size must be >= 1, got {cp_size}")
     if not 0 <= cp_rank < cp_size:
