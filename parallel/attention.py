@@ -344,7 +344,9 @@ class _Gather:
         if dist.get_backend(group) == "gloo":
             self.work = dist.all_gather(list(self.buf.unbind(0)), kv, group=group, async_op=True)
         else:
-            self.work = _compat.all_gather_single(self.buf, kv, group=group, async_op=True)
+            # concatenation form [C * 2, T, ...]: the one every backend accepts
+            self.work = _compat.all_gather_single(self.buf.flatten(0, 1), kv, group=group,
+                                                  async_op=True)
 
     def wait(self):
         self.work.wait()
@@ -362,7 +364,7 @@ def _scatter_global_grads(dkv_glob, plan, group, n_rows):
         dist.all_reduce(per_rank, group=group)
         return per_rank[plan.cp_rank]
     out = per_rank.new_empty(per_rank.shape[1:])
-    _compat.reduce_scatter_single(out, per_rank, group=group)
+    _compat.reduce_scatter_single(out, per_rank.flatten(0, 1), group=group)
     return out
 
 

@@ -349,4 +349,4 @@ def test_failing_rank_does_not_hang():
     start = time.monotonic()
     with pytest.raises(AssertionError, match=r"failed on \['rank0.err'\]"):
         run_distributed(_one_rank_fails_body, 2, timeout_s=5)
-    assert time.monotonic() - start < 60
+    assert time.monotonic() - start < 90  # timeout 5 s + process start-up on a loaded machine
