@@ -31,10 +31,12 @@ local sequences, many documents); the ring needs ``1 / C`` of the K/V memory
 and overlaps all of its communication, so it wins for the longest
 sequences and for MHA.
 
-Sizes are host values (``max_seqlen``, tensor shapes); the ring with the
-varlen backends reads nothing back from the device. The all-gather method
-builds its global-order index with :func:`~cp_rope.parallel.cp_shard_indices`
-(a few host syncs per call), as does ``causal=False`` with padding.
+Sizes are host values (``max_seqlen``, tensor shapes). Host syncs per call:
+with ``C > 1`` one, reading the all-gathered input signature that every rank
+checks before any data moves; the ring with the varlen backends adds none;
+torch_cudnn reads cu_seqlens (one sequence); the all-gather method builds its
+global-order index with :func:`~cp_rope.parallel.cp_shard_indices` (a few
+syncs), as does ``causal=False`` with ``seq_lens``. The backward adds none.
 """
 
 from __future__ import annotations
