@@ -18,8 +18,8 @@ computes. At step ``i`` rank ``r`` holds the K/V of ``src = (r - i) mod C``:
   all received keys, unmasked.
 
 Every rank does the same work at every step. The backward runs the ring
-again; dK/dV (fp32) travel with the K/V and reach their owner after the
-last step.
+again; dK/dV (fp32 for half-precision inputs) travel with the K/V and reach
+their owner one exchange after the last step.
 
 ``method="allgather"`` (TransformerEngine's all-gather CP / Llama 3): K/V are
 all-gathered (overlapped with the local diagonal block) and put in global
@@ -28,7 +28,7 @@ reduce-scatters dK/dV (all-reduce + slice on gloo). One collective of
 ``C x`` the K/V instead of ``C - 1`` ring steps: better with GQA (small K/V)
 or when the ring steps are too short to hide their communication (short
 local sequences, many documents); the ring needs ``1 / C`` of the K/V memory
-and overlaps all of its communication, so it wins for the longest
+and overlaps its exchanges with compute, so it wins for the longest
 sequences and for MHA.
 
 Sizes are host values (``max_seqlen``, tensor shapes). Host syncs per call:
