@@ -386,8 +386,10 @@ def run(cfg: PretrainConfig) -> dict:
         dist.all_reduce(tps_all)
     summary["tokens_per_s"] = float(tps_all[0] / (tps_all[1] / world)) if tps_all[1] > 0 else float("nan")
     if losses:
+        tail = list(losses.values())[-10:]
         log.write(f"done: steps {start_step + 1}..{step}: loss {summary['first_loss']:.4f} (first) -> "
-                  f"{summary['last_loss']:.4f} (last); {summary['tokens_per_s']:,.0f} tokens/s "
+                  f"{summary['last_loss']:.4f} (last; mean of the last {len(tail)}: "
+                  f"{sum(tail) / len(tail):.4f}); {summary['tokens_per_s']:,.0f} tokens/s "
                   f"({summary['tokens_per_s'] / world:,.0f} per rank), peak mem "
                   f"{peak_memory_gib(device):.2f} GiB")
     log.close()
