@@ -114,13 +114,14 @@ def test_te_boundaries_sharded_equals_global(cp_size, backend):
     assert torch.equal(rebuilt, whole)
 
 
+@pytest.mark.parametrize("cu_list", [[0, 3, 3, 7, 8, 8, 8], [0]], ids=["zero-length+padding", "no-sequences"])
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_every_row_and_dim_written(backend):
+def test_every_row_and_dim_written(backend, cu_list):
     """Launcher level, into poisoned (NaN) outputs: trailing padding rows and the
     pass-through dims come out equal to the input; the rest is rotated."""
     gen = torch.Generator().manual_seed(1)
     dev = device_for(backend)
-    cu = torch.tensor([0, 3, 3, 7, 8, 8, 8], dtype=torch.int32, device=dev)
+    cu = torch.tensor(cu_list, dtype=torch.int32, device=dev)
     q = thd(gen, 13, 3, 20, torch.bfloat16, device=dev)
     k = thd(gen, 13, 2, 20, torch.bfloat16, device=dev)
     cos, sin = rope_cache(16, 12, device=dev)
@@ -130,8 +131,9 @@ def test_every_row_and_dim_written(backend):
     else:
         rotary_torch(q, cos, sin, cu, out=out_q)
         rotary_torch(k, cos, sin, cu, out=out_k)
+    n = cu_list[-1]
     for x, out in ((q, out_q), (k, out_k)):
-        assert torch.equal(out[8:], x[8:])
+        assert torch.equal(out[n:], x[n:])
         assert torch.equal(out[:, :, 12:], x[:, :, 12:])
         assert_close(out, rope_reference(x, cos, sin, cu), name="out")
 
@@ -328,6 +330,19 @@ def test_rope_cache_bad_rotary_dim():
 
 
 # ----------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_debug_checks_device_cu_seqlens(monkeypatch):
+    """CUDA cu_seqlens: contents unchecked by default (no sync), checked with CP_ROPE_DEBUG=1."""
+    x = torch.randn(10, 2, 8, device="cuda")
+    cos, sin = rope_cache(32, 8, device="cuda")
+    bad = torch.tensor([0, 6, 4, 10], dtype=torch.int32, device="cuda")
+    monkeypatch.setenv("CP_ROPE_DEBUG", "0")
+    apply_rotary_emb(x, cos, sin, bad)
+    monkeypatch.setenv("CP_ROPE_DEBUG", "1")
+    with pytest.raises(ValueError, match="non-decreasing"):
+        apply_rotary_emb(x, cos, sin, bad)
+
+
 @pytest.mark.gpu
 def test_int64_addressing_over_2_pow_31_elements():
     """q with more than 2**31 elements (bf16, ~4.3 GB): the last token's rows
