@@ -25,8 +25,9 @@ Usage (repository root; the package need not be installed)::
 
     PYTHONPATH=. python scripts/bench_rope.py --out docs
 
-writes ``benchmarks.md`` (command, hardware, tables) and ``bench_rope.png``
-under ``--out`` and prints the tables.
+writes ``bench_rope.md`` (a "## RoPE kernel (GPU)" section for
+docs/benchmarks.md: command, hardware, table, targets), ``bench_rope.png`` and
+``bench_rope.json`` under ``--out`` and prints the section.
 """
 
 from __future__ import annotations
@@ -242,7 +243,7 @@ def plot(rows, path):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--out", default="docs", help="output folder for benchmarks.md and bench_rope.png (default: docs)")
+    p.add_argument("--out", default="docs", help="output folder for bench_rope.md/.png/.json (default: docs)")
     p.add_argument("--tokens", type=int, default=65536, help="local tokens T (default: 65536)")
     p.add_argument("--warmup", type=int, default=10, help="do_bench warm-up, ms (default: 10)")
     p.add_argument("--rep", type=int, default=40, help="do_bench repetition time, ms (default: 40)")
@@ -301,7 +302,7 @@ def main():
             print(f"case {case} cp_size {cp_size} done ({time.time() - t0:.0f} s)", flush=True)
 
     md = report(rows, copy_tbs, args, time.time() - t0)
-    with open(os.path.join(args.out, "benchmarks.md"), "w") as f:
+    with open(os.path.join(args.out, "bench_rope.md"), "w") as f:
         f.write(md)
     with open(os.path.join(args.out, "bench_rope.json"), "w") as f:
         json.dump(dict(copy_tbs=copy_tbs, rows=rows), f, indent=1)
@@ -319,7 +320,7 @@ def report(rows, copy_tbs, args, seconds):
         props = torch.cuda.get_device_properties(0)
         hw = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
     lines = [
-        "# RoPE benchmark (cp_rope THD kernel)", "",
+        "## RoPE kernel (GPU)", "",
         f"Command: `PYTHONPATH=. python scripts/bench_rope.py {' '.join(sys.argv[1:])}`  ",
         f"Hardware: {hw}, torch {torch.__version__}, "
         f"triton {triton.__version__}, Python {platform.python_version()}, cp_rope {cp_rope.__version__}  ",
@@ -342,7 +343,7 @@ def report(rows, copy_tbs, args, seconds):
             f"{r['fwd_ms']:.4f} | {r['fwd_tbs']:.2f} | {r['fwd_pct']:.1f} | {r['fwdbwd_ms']:.4f} | "
             f"{r['fwdbwd_tbs']:.2f} | {r['fwdbwd_pct']:.1f} | {r['fwd_graph_ms']:.4f} | "
             f"{r['fwdbwd_graph_ms']:.4f} |")
-    lines += ["", "## Targets", ""]
+    lines += ["", "![RoPE forward time](bench_rope.png)", "", "### Targets", ""]
     ours = [r for r in rows if r["impl"] == "cp_rope"]
     lines.append(f"- min % of copy bandwidth, forward: {min(r['fwd_pct'] for r in ours):.1f} "
                  f"(median {statistics.median(r['fwd_pct'] for r in ours):.1f}); forward+backward: "
