@@ -102,6 +102,8 @@ class ParallelConfig:
     """Per-block attention kernel used by CP attention."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
     """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path."""
+    fsdp: Literal["auto", "on", "off"] = "auto"
+    """Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks; auto = on for cuda, off (plain gradient all-reduce) on cpu."""
     timeout_s: int = 600
     """Process-group timeout, in seconds: a hung collective fails after this."""
 

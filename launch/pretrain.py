@@ -20,7 +20,8 @@ cp; every rank of a CP group reads the same global batch and keeps its zigzag
 shard; the loss is the mean over every real token of the job
 (:func:`cp_rope.parallel.cp_cross_entropy`) and gradients are summed over all
 ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
-params, fp32 reduction), one all-reduce of the flat gradient on CPU.
+params, fp32 reduction), one all-reduce of the flat gradient on CPU
+(``--fsdp on`` uses FSDP2 on CPU too).
 ``python -m cp_rope.launch.pretrain --help`` lists every flag.
 """
 
@@ -261,8 +262,8 @@ def run(cfg: PretrainConfig) -> dict:
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
-    use_fsdp = device.type == "cuda"
-    dtype = {"auto": torch.bfloat16 if use_fsdp else torch.float32, "float32": torch.float32,
+    use_fsdp = cfg.parallel.fsdp == "on" or (cfg.parallel.fsdp == "auto" and device.type == "cuda")
+    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
              "bfloat16": torch.bfloat16}[cfg.train.dtype]
     mesh = dims.build_mesh(device.type)
     flat_mesh = dims.build_flat_mesh(device.type)
@@ -274,7 +275,7 @@ def run(cfg: PretrainConfig) -> dict:
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
-                                   pin_memory=use_fsdp)
+                                   pin_memory=device.type == "cuda")
     batches = _Batches(loader, sampler)
 
     model = build_model(cfg, cp_group, device)

@@ -30,8 +30,11 @@ TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
 
 
 def _resume_body(rank: int, world: int, tmp: str) -> None:
-    for cp in (2, 1):  # world 2: dp 1 x cp 2, then dp 2 x cp 1 (per-rank sampler states)
-        common = TINY + ["--cp-size", str(cp), "--steps", "6"]
+    # world 2: dp 1 x cp 2; dp 2 x cp 1 (per-rank sampler states); cp 2 with FSDP2 (DTensor
+    # parameters and optimizer state through DCP, the GPU code path, here on gloo)
+    for cp, fsdp in ((2, "off"), (1, "off"), (2, "on")):
+        common = TINY + ["--cp-size", str(cp), "--steps", "6", "--fsdp", fsdp]
+        cp = f"{cp}{fsdp}"
         full = main(common + ["--out-dir", f"{tmp}/full{cp}"])
         first = main(common + ["--out-dir", f"{tmp}/split{cp}", "--stop-at-step", "3"])
         second = main(common + ["--out-dir", f"{tmp}/split{cp}", "--resume"])
@@ -51,7 +54,7 @@ def _resume_body(rank: int, world: int, tmp: str) -> None:
 
 
 def test_resume_bit_for_bit(tmp_path):
-    """Steps 1..6 at once == steps 1..3, checkpoint, resume, 4..6 (world 2, cp 2 and dp 2)."""
+    """Steps 1..6 at once == steps 1..3, checkpoint, resume, 4..6 (world 2: cp 2, dp 2, FSDP2)."""
     run_distributed(_resume_body, 2, str(tmp_path), timeout_s=300)
 
 

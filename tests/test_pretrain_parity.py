@@ -103,9 +103,10 @@ LABELS = {"all": _keep_all, "one": _only_one_label, "none": _no_label}
 GPU_GRAD_NORM_RTOL = 2e-2
 
 
-def _check_case(dp: int, cp: int, labels: str, device: torch.device) -> None:
-    """CPU: fp32 model, plain all-reduce, elementwise fp32 tolerances. GPU: the production
-    FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16 tolerances."""
+def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool) -> None:
+    """CPU: fp32 model, plain all-reduce (or FSDP2 fp32), elementwise fp32 tolerances. GPU: the
+    production FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16
+    tolerances."""
     gpu = device.type == "cuda"
     world = dist.get_world_size()
     dims = ParallelDims(dp=dp, cp=cp, world_size=world)
@@ -121,13 +122,13 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device) -> None:
         glob = _no_label(glob)  # the one label lives in dp rank 0's batch
     batch = shard_batch(glob, cp, cp_rank).to(device)
     model = _build(mesh["cp"].get_group(), device)
-    if gpu:
-        apply_fsdp(model, flat, torch.bfloat16)
+    if fsdp:
+        apply_fsdp(model, flat, torch.bfloat16 if gpu else torch.float32)
     loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
-                      grad_scale=float(world) if gpu else 1.0, reduce_grads=not gpu)
+                      grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
 
-    where = f"dp={dp} cp={cp} labels={labels} rank={dist.get_rank()}"
+    where = f"dp={dp} cp={cp} labels={labels} fsdp={fsdp} rank={dist.get_rank()}"
     assert_close(loss.reshape(1), ref_loss.reshape(1), dtype=tol_dtype, name=f"loss [{where}]")
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient [{where}]"
@@ -149,8 +150,8 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device) -> None:
 
 def _parity_body(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
-    for dp, cp, labels in cases:
-        _check_case(dp, cp, labels, torch.device("cpu"))
+    for dp, cp, labels, *fsdp in cases:
+        _check_case(dp, cp, labels, torch.device("cpu"), fsdp=bool(fsdp))
 
 
 def test_parity_cp1():
@@ -159,7 +160,9 @@ def test_parity_cp1():
 
 
 def test_parity_cp2():
-    run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all")])
+    # The last two: the FSDP2 path (loss x world, reduce-scatter average) on gloo.
+    run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all"),
+                                      (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp")])
 
 
 def test_parity_cp4_and_dp2_cp2():
@@ -180,7 +183,7 @@ def _gpu_main() -> None:
         device = torch.device("cuda", local)
         for dp, cp in ((1, world), (world, 1)):
             for labels in ("all", "one", "none"):
-                _check_case(dp, cp, labels, device)
+                _check_case(dp, cp, labels, device, fsdp=True)
                 if dist.get_rank() == 0:
                     print(f"GPU parity OK: dp={dp} cp={cp} labels={labels} (FSDP2 bf16 vs "
                           f"single-GPU autocast, normwise grad rtol {GPU_GRAD_NORM_RTOL})", flush=True)
