@@ -14,7 +14,9 @@
 # (ii) parity: one training step at cp 2 (and dp 2) vs a single-GPU run, FSDP2 bf16,
 #      bf16 tolerances (tests/test_pretrain_parity.py under torchrun).
 #
-# Environment: STEPS (default 15), NPROC (default 2), PRESET (default 1b), EXTRA (more flags).
+# Environment: STEPS (default 15), NPROC (default 2), PRESET (default 1b), SEQ (cp-2 sequence
+# length, default 131072; cp 1 uses SEQ / 2), EXTRA (more flags).
+# Dry run of the script's logic on a CPU machine: PRESET=tiny SEQ=2048 STEPS=3 bash scripts/gpu_pretrain.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -22,8 +24,9 @@ export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:Tr
 STEPS=${STEPS:-15}
 NPROC=${NPROC:-2}
 PRESET=${PRESET:-1b}
+SEQ=${SEQ:-131072}
 EXTRA=${EXTRA:-}
-python -c "import torch; print('torch', torch.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0))"
+python -c "import torch; print('torch', torch.__version__, '|', torch.cuda.device_count(), 'x', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
 
 run() {  # run <cp_size> <seq_len>
   local cp=$1 seq=$2 log="runs/gpu_cp$1.log"
@@ -45,8 +48,8 @@ run() {  # run <cp_size> <seq_len>
 }
 
 status=0
-run 2 131072 || status=1
-run 1 65536 || status=1
+run 2 "$SEQ" || status=1
+run 1 $((SEQ / 2)) || status=1
 echo "=== parity: one step, cp $NPROC and dp $NPROC vs single GPU (FSDP2 bf16) ==="
 torchrun --standalone --nproc-per-node "$NPROC" tests/test_pretrain_parity.py || status=1
 echo "=== summary ==="

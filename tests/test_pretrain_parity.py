@@ -171,25 +171,29 @@ def test_parity_cp4_and_dp2_cp2():
 
 
 # ---------------------------------------------------------------- GPU (torchrun)
-def _gpu_main() -> None:
-    """One bf16 step at cp 2 (and dp 2 x cp 1) vs the single-GPU run, on NCCL."""
+def _torchrun_main() -> None:
+    """Under torchrun: on GPUs (NCCL) one FSDP2 bf16 step at cp = world and at dp = world vs a
+    single-GPU run; without CUDA the same cases on gloo in fp32 (a check of this entry)."""
     import datetime
 
+    cuda = torch.cuda.is_available()
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    torch.cuda.set_device(local)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=300))
+    if cuda:
+        torch.cuda.set_device(local)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=300))
     try:
         world = dist.get_world_size()
-        device = torch.device("cuda", local)
+        device = torch.device("cuda", local) if cuda else torch.device("cpu")
         for dp, cp in ((1, world), (world, 1)):
             for labels in ("all", "one", "none"):
                 _check_case(dp, cp, labels, device, fsdp=True)
                 if dist.get_rank() == 0:
-                    print(f"GPU parity OK: dp={dp} cp={cp} labels={labels} (FSDP2 bf16 vs "
-                          f"single-GPU autocast, normwise grad rtol {GPU_GRAD_NORM_RTOL})", flush=True)
+                    what = (f"FSDP2 bf16 vs single-GPU autocast, normwise grad rtol {GPU_GRAD_NORM_RTOL}"
+                            if cuda else "FSDP2 fp32 on gloo, fp32 tolerances")
+                    print(f"parity OK: dp={dp} cp={cp} labels={labels} ({what})", flush=True)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    _gpu_main()
+    _torchrun_main()
