@@ -32,8 +32,9 @@ TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
 def _resume_body(rank: int, world: int, tmp: str) -> None:
     # world 2: dp 1 x cp 2; dp 2 x cp 1 (per-rank sampler states); cp 2 with FSDP2 (DTensor
     # parameters and optimizer state through DCP, the GPU code path, here on gloo)
-    for cp, fsdp in ((2, "off"), (1, "off"), (2, "on")):
-        common = TINY + ["--cp-size", str(cp), "--steps", "6", "--fsdp", fsdp]
+    # (with --seq-mode concat: 128-token windows of the document stream)
+    for cp, fsdp, mode in ((2, "off", "docs"), (1, "off", "docs"), (2, "on", "concat")):
+        common = TINY + ["--cp-size", str(cp), "--steps", "6", "--fsdp", fsdp, "--seq-mode", mode]
         cp = f"{cp}{fsdp}"
         full = main(common + ["--out-dir", f"{tmp}/full{cp}"])
         first = main(common + ["--out-dir", f"{tmp}/split{cp}", "--stop-at-step", "3"])

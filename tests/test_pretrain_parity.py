@@ -38,10 +38,11 @@ from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
 VOCAB = 61
 
 
-def _model_cfg() -> ModelConfig:
+def _model_cfg(activation_checkpointing: bool = False) -> ModelConfig:
     # head_dim 16, GQA 4:2, two blocks: small enough for the CPU, every piece exercised.
     return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96,
-                       vocab_size=VOCAB, max_seq_len=512)
+                       vocab_size=VOCAB, max_seq_len=512,
+                       activation_checkpointing=activation_checkpointing)
 
 
 def _docs(seed: int, dp: int) -> list[list[torch.Tensor]]:
@@ -52,11 +53,11 @@ def _docs(seed: int, dp: int) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, VOCAB, (n,), generator=g) for n in lengths[d % 2]] for d in range(dp)]
 
 
-def _build(cp_group, device):
+def _build(cp_group, device, activation_checkpointing: bool = False):
     """fp32 weights from one seed (RoPE's kernel takes fp32/bf16/fp16, so no float64 here)."""
     torch.manual_seed(1234)
     with torch.device(device):
-        return Transformer(_model_cfg(), cp_group=cp_group)
+        return Transformer(_model_cfg(activation_checkpointing), cp_group=cp_group)
 
 
 def _autocast(device):
@@ -103,7 +104,8 @@ LABELS = {"all": _keep_all, "one": _only_one_label, "none": _no_label}
 GPU_GRAD_NORM_RTOL = 2e-2
 
 
-def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool) -> None:
+def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
+                ac: bool = False) -> None:
     """CPU: fp32 model, plain all-reduce (or FSDP2 fp32), elementwise fp32 tolerances. GPU: the
     production FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16
     tolerances."""
@@ -121,14 +123,14 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool)
     if labels == "one" and dp_rank != 0:
         glob = _no_label(glob)  # the one label lives in dp rank 0's batch
     batch = shard_batch(glob, cp, cp_rank).to(device)
-    model = _build(mesh["cp"].get_group(), device)
+    model = _build(mesh["cp"].get_group(), device, activation_checkpointing=ac)
     if fsdp:
         apply_fsdp(model, flat, torch.bfloat16 if gpu else torch.float32)
     loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
 
-    where = f"dp={dp} cp={cp} labels={labels} fsdp={fsdp} rank={dist.get_rank()}"
+    where = f"dp={dp} cp={cp} labels={labels} fsdp={fsdp} ac={ac} rank={dist.get_rank()}"
     assert_close(loss.reshape(1), ref_loss.reshape(1), dtype=tol_dtype, name=f"loss [{where}]")
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient [{where}]"
@@ -150,8 +152,8 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool)
 
 def _parity_body(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
-    for dp, cp, labels, *fsdp in cases:
-        _check_case(dp, cp, labels, torch.device("cpu"), fsdp=bool(fsdp))
+    for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing)
+        _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac="ac" in opts)
 
 
 def test_parity_cp1():
@@ -160,9 +162,11 @@ def test_parity_cp1():
 
 
 def test_parity_cp2():
-    # The last two: the FSDP2 path (loss x world, reduce-scatter average) on gloo.
+    # Then the FSDP2 path (loss x world, reduce-scatter average) on gloo, and activation
+    # checkpointing (the ring's collectives run again in the recomputation).
     run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all"),
-                                      (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp")])
+                                      (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp"),
+                                      (1, 2, "all", "fsdp", "ac")])
 
 
 def test_parity_cp4_and_dp2_cp2():
