@@ -327,7 +327,9 @@ def run(cfg: PretrainConfig) -> dict:
                 log.write(f"signal {signal.Signals(interrupted).name} at step {step}: stopping")
                 break
             t0 = time.perf_counter()
-            batch = next(batches).to(device, non_blocking=True)
+            host_batch = next(batches)
+            seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
+            batch = host_batch.to(device, non_blocking=True)
             optimizer.zero_grad(set_to_none=True)
             loss = train_step(model, batch, loss_group, grad_scale=float(world) if use_fsdp else 1.0,
                               reduce_group=loss_group, reduce_grads=not use_fsdp)
@@ -342,7 +344,6 @@ def run(cfg: PretrainConfig) -> dict:
             scheduler.step()
             step += 1
             losses[step] = loss_val
-            seq_lens = batch.seq_lens.double().cpu()
             window += torch.tensor([float(seq_lens.sum()), float((seq_lens ** 2).sum()), 0.0]) / dims.cp
             window[2] += 1
             if step > start_step + 1:  # the first step (allocator, kernel set-up) is not timed
