@@ -14,14 +14,14 @@
 # (ii) parity: one training step at cp 2 (and dp 2) vs a single-GPU run, FSDP2 bf16,
 #      bf16 tolerances (tests/test_pretrain_parity.py under torchrun).
 #
-# Environment: STEPS (default 15), NPROC (default 2), PRESET (default 1b), SEQ (cp-2 sequence
+# Environment: STEPS (default 10), NPROC (default 2), PRESET (default 1b), SEQ (cp-2 sequence
 # length, default 131072; cp 1 uses SEQ / 2), EXTRA (more flags).
 # Dry run of the script's logic on a CPU machine: PRESET=tiny SEQ=2048 STEPS=3 bash scripts/gpu_pretrain.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-STEPS=${STEPS:-15}
+STEPS=${STEPS:-10}
 NPROC=${NPROC:-2}
 PRESET=${PRESET:-1b}
 SEQ=${SEQ:-131072}
