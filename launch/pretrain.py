@@ -315,7 +315,7 @@ def run(cfg: PretrainConfig) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     start_step, losses, interrupted = step, {}, 0
-    window = torch.zeros(3, dtype=torch.float64)  # real tokens, attention L^2 sum, steps (this rank's share)
+    window = torch.zeros(2, dtype=torch.float64)  # this rank's share of real tokens and sum of L^2
     total_tokens, t_total, t_window = 0.0, 0.0, time.perf_counter()
     model.train()
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
@@ -344,8 +344,7 @@ def run(cfg: PretrainConfig) -> dict:
             scheduler.step()
             step += 1
             losses[step] = loss_val
-            window += torch.tensor([float(seq_lens.sum()), float((seq_lens ** 2).sum()), 0.0]) / dims.cp
-            window[2] += 1
+            window += torch.stack([seq_lens.sum(), (seq_lens ** 2).sum()]) / dims.cp
             if step > start_step + 1:  # the first step (allocator, kernel set-up) is not timed
                 total_tokens += float(seq_lens.sum()) / dims.cp
                 t_total += time.perf_counter() - t0
@@ -354,8 +353,7 @@ def run(cfg: PretrainConfig) -> dict:
                 sums = window.to(device)
                 if world > 1:
                     dist.all_reduce(sums)  # global tokens and attention work since the last log
-                tokens, sq, n_steps = sums.tolist()
-                n_steps /= world
+                tokens, sq = sums.tolist()
                 dt = time.perf_counter() - t_window
                 tps = tokens / dt
                 metrics = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
