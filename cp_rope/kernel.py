@@ -39,31 +39,52 @@ def _rotate_heads(
     # pointers
     X, OUT,
     # per-row state shared by every head of the program
-    row_x, row_o, cos, sin, offs_r, mask_rot, offs_p, mask_pass,
+    row_x, row_o, mask_t, cos, sin,
     # heads [h_start, h_end) of this tensor, int64
     h_start, h_end,
-    # strides (elements)
-    stride_xh, stride_xd, stride_oh, stride_od,
+    # sizes and strides (elements)
+    head_dim, stride_xh, stride_xd, stride_oh, stride_od,
     # meta
-    ROT_HALF: tl.constexpr,  # rotary_dim // 2: offset of the second half
+    ROT_HALF: tl.constexpr,  # rotary_dim // 2
+    BLOCK_T: tl.constexpr,  # rows
+    BLOCK_R: tl.constexpr,  # next_power_of_2(ROT_HALF)
+    BLOCK_P: tl.constexpr,  # pass-through tile width
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
     COPY_PASS: tl.constexpr,  # copy dims >= rotary_dim (False when in place or none)
 ):
+    # Contiguous tiles either way (16-byte vector loads): the two halves, or
+    # all 2 * ROT_HALF interleaved dims split into pairs in registers.
     if INTERLEAVED:
-        d1 = 2 * offs_r
-        d2 = 2 * offs_r + 1
+        offs = tl.arange(0, 2 * BLOCK_R)
     else:
-        d1 = offs_r
-        d2 = offs_r + ROT_HALF
+        offs = tl.arange(0, BLOCK_R)
+    if BLOCK_R == ROT_HALF:
+        mask = mask_t[:, None]
+    elif INTERLEAVED:
+        mask = mask_t[:, None] & (offs < 2 * ROT_HALF)[None, :]
+    else:
+        mask = mask_t[:, None] & (offs < ROT_HALF)[None, :]
+    offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
+    mask_pass = mask_t[:, None] & (offs_p < head_dim)[None, :]
     for h in range(h_start, h_end):
         px = X + row_x + h * stride_xh
         po = OUT + row_o + h * stride_oh
-        x1 = tl.load(px + d1[None, :] * stride_xd, mask=mask_rot, other=0.0).to(tl.float32)
-        x2 = tl.load(px + d2[None, :] * stride_xd, mask=mask_rot, other=0.0).to(tl.float32)
+        if INTERLEAVED:
+            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+            x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_R, 2]))
+        else:
+            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask,
+                         other=0.0).to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
-        tl.store(po + d1[None, :] * stride_od, y1.to(OUT.dtype.element_ty), mask=mask_rot)
-        tl.store(po + d2[None, :] * stride_od, y2.to(OUT.dtype.element_ty), mask=mask_rot)
+        if INTERLEAVED:
+            y = tl.reshape(tl.join(y1, y2), [BLOCK_T, 2 * BLOCK_R])
+            tl.store(po + offs[None, :] * stride_od, y.to(OUT.dtype.element_ty), mask=mask)
+        else:
+            tl.store(po + offs[None, :] * stride_od, y1.to(OUT.dtype.element_ty), mask=mask)
+            tl.store(po + (offs + ROT_HALF)[None, :] * stride_od, y2.to(OUT.dtype.element_ty),
+                     mask=mask)
         if COPY_PASS:
             xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
@@ -120,10 +141,6 @@ def _rope_kernel(
     pos = tl.where(valid, pos, 0)
 
     offs_r = tl.arange(0, BLOCK_R)
-    if BLOCK_R == ROT_HALF:
-        mask_rot = mask_t[:, None]
-    else:
-        mask_rot = mask_t[:, None] & (offs_r < ROT_HALF)[None, :]
     mask_cs = valid[:, None] & (offs_r < ROT_HALF)[None, :]
     cos = tl.load(COS + pos[:, None] * stride_cos_p + offs_r[None, :] * stride_cos_d,
                   mask=mask_cs, other=1.0).to(tl.float32)
@@ -131,23 +148,21 @@ def _rope_kernel(
                   mask=mask_cs, other=0.0).to(tl.float32)
     if CONJUGATE:
         sin = -sin
-    offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
-    mask_pass = mask_t[:, None] & (offs_p < head_dim)[None, :]
 
     if pid_h < n_blocks_q:
         h_start = pid_h * heads_per_prog
         h_end = tl.minimum(h_start + heads_per_prog, n_heads_q)
         _rotate_heads(Q, OUT_Q, offs_t[:, None] * stride_qt, offs_t[:, None] * stride_oqt,
-                      cos, sin, offs_r, mask_rot, offs_p, mask_pass, h_start, h_end,
-                      stride_qh, stride_qd, stride_oqh, stride_oqd,
-                      ROT_HALF, INTERLEAVED, COPY_PASS)
+                      mask_t, cos, sin, h_start, h_end,
+                      head_dim, stride_qh, stride_qd, stride_oqh, stride_oqd,
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
     else:
         h_start = (pid_h - n_blocks_q) * heads_per_prog
         h_end = tl.minimum(h_start + heads_per_prog, n_heads_k)
         _rotate_heads(K, OUT_K, offs_t[:, None] * stride_kt, offs_t[:, None] * stride_okt,
-                      cos, sin, offs_r, mask_rot, offs_p, mask_pass, h_start, h_end,
-                      stride_kh, stride_kd, stride_okh, stride_okd,
-                      ROT_HALF, INTERLEAVED, COPY_PASS)
+                      mask_t, cos, sin, h_start, h_end,
+                      head_dim, stride_kh, stride_kd, stride_okh, stride_okd,
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
 
 
 def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, rotary_dim: int,
