@@ -136,8 +136,10 @@ def test_lr_schedule_warmup_then_cosine():
     assert all(fn(s) >= fn(s + 1) for s in range(4, 20))
 
 
-def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
-    """A SIGTERM mid-run: the loop stops between steps, saves, destroys the group, exits 130."""
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
+    """SIGTERM (scheduler) or SIGINT (Ctrl-C) mid-run: the loop stops between steps, saves a
+    checkpoint, destroys the process group and exits 130."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
     proc = subprocess.Popen(
         [sys.executable, "-m", "cp_rope.launch.pretrain", *TINY, "--steps", "100000",
@@ -147,10 +149,23 @@ def test_sigterm_saves_a_checkpoint_and_exits(tmp_path):
     for line in proc.stdout:
         lines.append(line)
         if line.startswith("step"):
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             break
     out = "".join(lines) + proc.communicate(timeout=120)[0]
     assert proc.returncode == 130, out
-    assert "signal SIGTERM" in out and "checkpoint:" in out, out
+    assert f"signal {sig.name}" in out and "checkpoint:" in out, out
     ckpts = os.listdir(tmp_path / "checkpoints")
     assert len(ckpts) == 1 and os.path.isfile(tmp_path / "checkpoints" / ckpts[0] / ".metadata")
+
+
+def test_torchrun_main_job(tmp_path):
+    """The README's main command (torchrun, env:// rendezvous, 2 ranks, cp 2), a few steps."""
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # = torchrun "--nproc-per-node", "2", "-m", "cp_rope.launch.pretrain",
+           "--cp-size", "2", *TINY, "--steps", "3", "--out-dir", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "world 2 = dp 1 x cp 2" in out and re.search(r"done: steps 1\.\.3: loss .* tokens/s", out), out
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
+    assert steps == [1, 2, 3]
