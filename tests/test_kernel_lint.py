@@ -134,6 +134,7 @@ def _grids(monkeypatch, n_tokens, cu, n_positions):
             return lambda *args, **kwargs: None
 
     monkeypatch.setattr(rope_kernel, "_rope_kernel", _Recorder())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors are fine: nothing is launched
     q = torch.randn(n_tokens, 32, 128, dtype=torch.bfloat16)
     k = torch.randn(n_tokens, 8, 128, dtype=torch.bfloat16)
     cos, sin = torch.ones(n_positions, 64), torch.zeros(n_positions, 64)
