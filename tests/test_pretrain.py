@@ -161,7 +161,8 @@ def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
 def test_torchrun_main_job(tmp_path):
     """The README's main command (torchrun, env:// rendezvous, 2 ranks, cp 2), a few steps."""
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",  # = torchrun "--nproc-per-node", "2", "-m", "cp_rope.launch.pretrain",
+    cmd = [sys.executable, "-m", "torch.distributed.run",  # = torchrun
+           "--standalone", "--nproc-per-node", "2", "-m", "cp_rope.launch.pretrain",
            "--cp-size", "2", *TINY, "--steps", "3", "--out-dir", str(tmp_path)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=300)
     out = proc.stdout + proc.stderr
