@@ -92,10 +92,30 @@ def eager_rope(q, k, cos_dup, sin_dup, position_ids):
     return q, k * c + rotate_half(k) * s
 
 
-def liger_fn():
+def _import_liger_rope():
+    """``LigerRopeFunction``: from the package, else from its ops/rope.py alone
+    (it needs only torch and triton) when the package's other imports fail."""
     try:
         from liger_kernel.ops.rope import LigerRopeFunction
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not available"
+        return LigerRopeFunction
+    except ImportError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a failing sibling module of the package
+        import importlib.util
+
+        spec = importlib.util.find_spec("liger_kernel")
+        path = os.path.join(os.path.dirname(spec.origin), "ops", "rope.py")
+        print(f"liger_kernel import failed ({type(exc).__name__}: {exc}); loading {path} alone")
+        mod_spec = importlib.util.spec_from_file_location("_liger_rope", path)
+        mod = importlib.util.module_from_spec(mod_spec)
+        mod_spec.loader.exec_module(mod)
+        return mod.LigerRopeFunction
+
+
+def liger_fn():
+    try:
+        LigerRopeFunction = _import_liger_rope()
+    except Exception as exc:  # noqa: BLE001 - any failure means "not available"
         print(f"Liger-Kernel not importable ({type(exc).__name__}: {exc}); skipped")
         return None
 
@@ -196,15 +216,16 @@ def check_correctness(caches, device, alternatives):
         del ref, err, bound
     print(f"correctness: cp_rope kernel vs float64 reference OK (max |err| {worst:.3g}, bf16)")
     ours_q, ours_k = s.ours(s.q, s.k)
-    for name, fn in alternatives.items():
+    for name, fn in list(alternatives.items()):
         q, k = s.q.clone(), s.k.clone()
         aq, ak = fn(q, k, caches["cos_dup"], caches["sin_dup"], s.position_ids)
         err = max((aq.float() - ours_q.float()).abs().max().item(),
                   (ak.float() - ours_k.float()).abs().max().item())
         ok = err <= 0.125  # bf16 math vs fp32 math at |x| < 8: a few bf16 ulps; a wrong angle is O(1)
-        print(f"correctness: {name} vs cp_rope max |diff| {err:.3g} {'OK' if ok else 'MISMATCH'}")
+        print(f"correctness: {name} vs cp_rope max |diff| {err:.3g} "
+              f"{'OK' if ok else 'MISMATCH: not timed'}")
         if not ok:
-            raise SystemExit(f"{name} disagrees with cp_rope")
+            del alternatives[name]
 
 
 def copy_bandwidth(device, nbytes, warmup, rep):
@@ -308,8 +329,8 @@ def main():
         json.dump(dict(copy_tbs=copy_tbs, rows=rows), f, indent=1)
     try:
         plot(rows, os.path.join(args.out, "bench_rope.png"))
-    except ImportError as exc:
-        print(f"no plot: {exc}")
+    except Exception as exc:  # noqa: BLE001 - the table matters more than the plot
+        print(f"no plot: {type(exc).__name__}: {exc}")
     print(md)
 
 
@@ -353,9 +374,10 @@ def report(rows, copy_tbs, args, seconds):
             def t(n, d, key, case=case, cp=cp):
                 return next(r[key] for r in ours if r["case"] == case and r["cp_size"] == cp
                             and r["n_seqs"] == n and r["dist"] == d)
-            lines.append(f"- ({case}, cp {cp}) n_seqs 4096 skewed / n_seqs 1: fwd "
-                         f"{t(4096, 'skewed', 'fwd_ms') / t(1, 'equal', 'fwd_ms'):.3f}, fwd+bwd "
-                         f"{t(4096, 'skewed', 'fwdbwd_ms') / t(1, 'equal', 'fwdbwd_ms'):.3f} (target <= 1.05)")
+            n = max(N_SEQS)
+            lines.append(f"- ({case}, cp {cp}) n_seqs {n} skewed / n_seqs 1: fwd "
+                         f"{t(n, 'skewed', 'fwd_ms') / t(1, 'equal', 'fwd_ms'):.3f}, fwd+bwd "
+                         f"{t(n, 'skewed', 'fwdbwd_ms') / t(1, 'equal', 'fwdbwd_ms'):.3f} (target <= 1.05)")
     slower = []
     for r in ours:
         for o in rows:
