@@ -18,7 +18,6 @@ import os
 
 import torch
 
-from cp_rope.kernel import rotary_triton
 from cp_rope.positions import check_cp_args
 from cp_rope.reference import rotary_torch
 
@@ -79,6 +78,8 @@ def _rotary_impl(q, k, out_q, out_k, cos, sin, cu_seqlens, cp_size, cp_rank, int
     if cu_seqlens.device.type == "cpu" or _debug():
         _check_cu_seqlens_content(cu_seqlens, q.shape[0], cp_size, cos.shape[0])
     if backend == "triton":
+        from cp_rope.kernel import rotary_triton  # Triton is only needed for this backend
+
         rotary_triton(q, k, out_q, out_k, cos, sin, cu_seqlens, cp_size, cp_rank, interleaved,
                       conjugate)
     else:

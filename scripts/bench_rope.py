@@ -248,7 +248,7 @@ def plot(rows, path):
             for dist, style in (("equal", "-"), ("skewed", "--")):
                 pts = sorted((r["n_seqs"], r["fwd_ms"]) for r in rows
                              if r["case"] == case and r["cp_size"] == cp and r["impl"] == impl
-                             and r["dist"] == dist)
+                             and (r["dist"] == dist or r["n_seqs"] == 1))
                 if pts:
                     ax.plot(*zip(*pts, strict=True), style, marker="o", ms=3, label=f"{impl} {dist}")
         ax.set_xscale("log")
