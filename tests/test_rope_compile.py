@@ -72,7 +72,7 @@ def test_compile_varying_shapes_and_max_seqlen(device, backend):
     """T, n_seqs and max_seqlen change every batch (5 batches): at most 2 compilations."""
     batches = [(256, 3, 100, False), (320, 5, 60, False), (384, 8, 40, False),
                (448, 2, 220, False), (288, 4, 70, False)]
-    assert _run(batches, device, backend) <= 2
+    assert 1 <= _run(batches, device, backend) <= 2
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
@@ -82,7 +82,7 @@ def test_compile_mark_dynamic_and_max_seqlen_values(device, backend):
     (T, n_seqs): at most 2 compilations (max_seqlen is only a host-side check)."""
     batches = [(512, 4, 300, True), (512, 4, 496, True), (512, 4, 512, True),
                (640, 6, 300, True), (384, 9, 512, True)]
-    assert _run(batches, device, backend) <= 2
+    assert 1 <= _run(batches, device, backend) <= 2
 
 
 def _inplace_step(qkv, cos, sin, cu, backend):
