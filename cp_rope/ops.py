@@ -14,6 +14,7 @@ dynamic T and B. ``max_seqlen`` never reaches an op: it is only a host-side
 bound check, so a changing value does not specialize a compiled graph on it.
 """
 
+import numbers
 import os
 
 import torch
@@ -186,7 +187,7 @@ def _check_args(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interl
     if not isinstance(interleaved, bool):
         raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__}")
     if max_seqlen is not None:
-        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int):
+        if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
             raise TypeError(f"max_seqlen must be an int or None, got {type(max_seqlen).__name__}")
         if max_seqlen < 0:
             raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
@@ -203,6 +204,7 @@ def _apply(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved
     if not isinstance(inplace, bool):
         raise TypeError(f"inplace must be a bool, got {type(inplace).__name__}")
     impl = resolve_backend(backend, q.device)
+    cp_size, cp_rank = int(cp_size), int(cp_rank)  # numpy integers -> the ops' int
     k_ = k if k is not None else q.new_empty((q.shape[0], 0, q.shape[2]))
     if inplace:
         if torch.is_grad_enabled() and (q.requires_grad or k_.requires_grad):
