@@ -51,6 +51,7 @@ def _rotate_heads(
     BLOCK_P: tl.constexpr,  # pass-through tile width
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
     COPY_PASS: tl.constexpr,  # copy dims >= rotary_dim (False when in place or none)
+    X_EVICT: tl.constexpr,  # L2 eviction policy of the streamed x tiles ("" or "evict_first")
 ):
     # Contiguous tiles either way (16-byte vector loads): the two halves, or
     # all 2 * ROT_HALF interleaved dims split into pairs in registers.
@@ -70,12 +71,14 @@ def _rotate_heads(
         px = X + row_x + h * stride_xh
         po = OUT + row_o + h * stride_oh
         if INTERLEAVED:
-            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
+                        eviction_policy=X_EVICT).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_R, 2]))
         else:
-            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask,
-                         other=0.0).to(tl.float32)
+            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
+                         eviction_policy=X_EVICT).to(tl.float32)
+            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask, other=0.0,
+                         eviction_policy=X_EVICT).to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         if INTERLEAVED:
@@ -86,7 +89,7 @@ def _rotate_heads(
             tl.store(po + (offs + ROT_HALF)[None, :] * stride_od, y2.to(OUT.dtype.element_ty),
                      mask=mask)
         if COPY_PASS:
-            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
+            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass, eviction_policy=X_EVICT)
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
 
 
@@ -110,6 +113,7 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,  # rotate by -theta (the backward)
     COPY_PASS: tl.constexpr,  # out-of-place with head_dim > rotary_dim
+    X_EVICT: tl.constexpr,  # L2 eviction policy of the streamed q/k tiles ("" or "evict_first")
 ):
     pid = tl.program_id(0).to(tl.int64)
     n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
@@ -155,19 +159,21 @@ def _rope_kernel(
         _rotate_heads(Q, OUT_Q, offs_t[:, None] * stride_qt, offs_t[:, None] * stride_oqt,
                       mask_t, cos, sin, h_start, h_end,
                       head_dim, stride_qh, stride_qd, stride_oqh, stride_oqd,
-                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS, X_EVICT)
     else:
         h_start = (pid_h - n_blocks_q) * heads_per_prog
         h_end = tl.minimum(h_start + heads_per_prog, n_heads_k)
         _rotate_heads(K, OUT_K, offs_t[:, None] * stride_kt, offs_t[:, None] * stride_okt,
                       mask_t, cos, sin, h_start, h_end,
                       head_dim, stride_kh, stride_kd, stride_okh, stride_okd,
-                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS, X_EVICT)
 
 
 def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, rotary_dim: int,
                   elem_size: int, *, interleaved: bool = False, conjugate: bool = False,
-                  inplace: bool = False) -> tuple[tuple[int], int, dict]:
+                  inplace: bool = False, block_t: int | None = None,
+                  heads_per_prog: int | None = None, num_warps: int | None = None,
+                  x_evict: str | None = None) -> tuple[tuple[int], int, dict]:
     """Grid, heads per program and constexpr meta of a launch.
 
     A small heuristic (no autotuning over dynamic shapes, which would add
@@ -178,35 +184,45 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     rotary_dim, dtype size, flags): never on the number or lengths of
     sequences, nor on the cache.
 
+    ``block_t``, ``heads_per_prog``, ``num_warps`` and ``x_evict`` override the
+    heuristic (for ``scripts/sweep_rope.py``; the library never passes them).
+
     Returns:
         ``((cdiv(T, BLOCK_T) * (head_blocks_q + head_blocks_k),), heads_per_prog, meta)``.
     """
     half = rotary_dim // 2
     block_r = triton.next_power_of_2(half)
-    block_t = max(1, min(64, 2048 // block_r))
+    if block_t is None:
+        block_t = max(1, min(64, 2048 // block_r))
     pass_dim = head_dim - rotary_dim
     copy_pass = pass_dim > 0 and not inplace
     block_p = triton.next_power_of_2(pass_dim) if copy_pass else 1
     t_blocks = triton.cdiv(n_tokens, block_t)
-    heads_per_prog = max(1, min(4, max(n_heads_q, n_heads_k)))
-    while heads_per_prog > 1 and t_blocks * triton.cdiv(n_heads_q, heads_per_prog) < 1024:
-        heads_per_prog //= 2
+    if heads_per_prog is None:
+        heads_per_prog = max(1, min(4, max(n_heads_q, n_heads_k)))
+        while heads_per_prog > 1 and t_blocks * triton.cdiv(n_heads_q, heads_per_prog) < 1024:
+            heads_per_prog //= 2
     h_blocks = triton.cdiv(n_heads_q, heads_per_prog) + triton.cdiv(n_heads_k, heads_per_prog)
-    num_warps = 4 if block_t * block_r * elem_size >= 4096 else 2
+    if num_warps is None:
+        num_warps = 4 if block_t * block_r * elem_size >= 4096 else 2
+    if x_evict is None:
+        x_evict = ""  # Triton's default policy
     meta = dict(ROT_HALF=half, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p,
                 INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), COPY_PASS=copy_pass,
-                num_warps=num_warps)
+                X_EVICT=x_evict, num_warps=num_warps)
     return (t_blocks * h_blocks,), heads_per_prog, meta
 
 
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int,
-                  cp_rank: int, interleaved: bool, conjugate: bool) -> None:
+                  cp_rank: int, interleaved: bool, conjugate: bool,
+                  config: dict | None = None) -> None:
     """Launch the kernel: rotate q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k.
 
     Any strides; ``out_q is q`` / ``out_k is k`` for in place. ``Hk`` may be 0.
     cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
     cu_seqlens int32 ``[B + 1]``. Arguments are assumed checked by the caller.
+    ``config``: :func:`launch_config` overrides (tuning scripts only).
     """
     if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', or "
@@ -219,7 +235,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
     inplace = out_q.data_ptr() == q.data_ptr()
     grid, heads_per_prog, meta = launch_config(
         n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
-        interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+        interleaved=interleaved, conjugate=conjugate, inplace=inplace, **(config or {}))
     if n_heads_k == 0:  # any valid pointer: no program reads it
         k, out_k = q, out_q
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
