@@ -51,7 +51,6 @@ def _rotate_heads(
     BLOCK_P: tl.constexpr,  # pass-through tile width
     INTERLEAVED: tl.constexpr,  # GPT-J pairs (2i, 2i+1) instead of (i, i + rotary_dim/2)
     COPY_PASS: tl.constexpr,  # copy dims >= rotary_dim (False when in place or none)
-    X_EVICT: tl.constexpr,  # L2 eviction policy of the streamed x tiles ("" or "evict_first")
 ):
     # Contiguous tiles either way (16-byte vector loads): the two halves, or
     # all 2 * ROT_HALF interleaved dims split into pairs in registers.
@@ -71,14 +70,13 @@ def _rotate_heads(
         px = X + row_x + h * stride_xh
         po = OUT + row_o + h * stride_oh
         if INTERLEAVED:
-            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
-                        eviction_policy=X_EVICT).to(tl.float32)
+            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_R, 2]))
         else:
-            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
-                         eviction_policy=X_EVICT).to(tl.float32)
-            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask, other=0.0,
-                         eviction_policy=X_EVICT).to(tl.float32)
+            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask,
+                         other=0.0).to(tl.float32)
+            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask,
+                         other=0.0).to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         if INTERLEAVED:
@@ -89,7 +87,7 @@ def _rotate_heads(
             tl.store(po + (offs + ROT_HALF)[None, :] * stride_od, y2.to(OUT.dtype.element_ty),
                      mask=mask)
         if COPY_PASS:
-            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass, eviction_policy=X_EVICT)
+            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
 
 
@@ -113,7 +111,6 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,  # rotate by -theta (the backward)
     COPY_PASS: tl.constexpr,  # out-of-place with head_dim > rotary_dim
-    X_EVICT: tl.constexpr,  # L2 eviction policy of the streamed q/k tiles ("" or "evict_first")
 ):
     pid = tl.program_id(0).to(tl.int64)
     n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
@@ -159,32 +156,34 @@ def _rope_kernel(
         _rotate_heads(Q, OUT_Q, offs_t[:, None] * stride_qt, offs_t[:, None] * stride_oqt,
                       mask_t, cos, sin, h_start, h_end,
                       head_dim, stride_qh, stride_qd, stride_oqh, stride_oqd,
-                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS, X_EVICT)
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
     else:
         h_start = (pid_h - n_blocks_q) * heads_per_prog
         h_end = tl.minimum(h_start + heads_per_prog, n_heads_k)
         _rotate_heads(K, OUT_K, offs_t[:, None] * stride_kt, offs_t[:, None] * stride_okt,
                       mask_t, cos, sin, h_start, h_end,
                       head_dim, stride_kh, stride_kd, stride_okh, stride_okd,
-                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS, X_EVICT)
+                      ROT_HALF, BLOCK_T, BLOCK_R, BLOCK_P, INTERLEAVED, COPY_PASS)
 
 
 def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, rotary_dim: int,
                   elem_size: int, *, interleaved: bool = False, conjugate: bool = False,
                   inplace: bool = False, block_t: int | None = None,
-                  heads_per_prog: int | None = None, num_warps: int | None = None,
-                  x_evict: str | None = None) -> tuple[tuple[int], int, dict]:
+                  heads_per_prog: int | None = None,
+                  num_warps: int | None = None) -> tuple[tuple[int], int, dict]:
     """Grid, heads per program and constexpr meta of a launch.
 
     A small heuristic (no autotuning over dynamic shapes, which would add
-    guards and recompiles): ``BLOCK_T`` rows x one half-width tile is about 4K
-    elements per load, and each program handles up to 4 heads (about 64 KB
-    moved with bf16 and head_dim 128), fewer when that would leave the GPU
-    with under ~1K programs. Depends only on (T, heads, head_dim,
+    guards and recompiles): ``BLOCK_T`` rows x one half-width tile is about 1K
+    elements per load (16 rows at head_dim 128), and each program handles up
+    to 4 heads (about 16 KB read and 16 KB written with bf16 and head_dim
+    128), fewer when that would leave the GPU with under ~1K programs. Chosen
+    from ``scripts/sweep_rope.py`` on an H200 (docs/benchmarks.md): 91-94% of
+    copy bandwidth over 1 and 4096 skewed sequences, q alone and q+k. Depends only on (T, heads, head_dim,
     rotary_dim, dtype size, flags): never on the number or lengths of
     sequences, nor on the cache.
 
-    ``block_t``, ``heads_per_prog``, ``num_warps`` and ``x_evict`` override the
+    ``block_t``, ``heads_per_prog`` and ``num_warps`` override the
     heuristic (for ``scripts/sweep_rope.py``; the library never passes them).
 
     Returns:
@@ -193,7 +192,7 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     half = rotary_dim // 2
     block_r = triton.next_power_of_2(half)
     if block_t is None:
-        block_t = max(1, min(64, 2048 // block_r))
+        block_t = max(1, min(16, 1024 // block_r))
     pass_dim = head_dim - rotary_dim
     copy_pass = pass_dim > 0 and not inplace
     block_p = triton.next_power_of_2(pass_dim) if copy_pass else 1
@@ -204,12 +203,10 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
             heads_per_prog //= 2
     h_blocks = triton.cdiv(n_heads_q, heads_per_prog) + triton.cdiv(n_heads_k, heads_per_prog)
     if num_warps is None:
-        num_warps = 4 if block_t * block_r * elem_size >= 4096 else 2
-    if x_evict is None:
-        x_evict = ""  # Triton's default policy
+        num_warps = 4 if block_t * block_r * elem_size >= 2048 else 2
     meta = dict(ROT_HALF=half, BLOCK_T=block_t, BLOCK_R=block_r, BLOCK_P=block_p,
                 INTERLEAVED=bool(interleaved), CONJUGATE=bool(conjugate), COPY_PASS=copy_pass,
-                X_EVICT=x_evict, num_warps=num_warps)
+                num_warps=num_warps)
     return (t_blocks * h_blocks,), heads_per_prog, meta
 
 

@@ -1,7 +1,7 @@
 """Sweep the RoPE kernel's launch heuristic on one GPU (a tuning tool, not a test).
 
 Times the forward kernel (``triton.testing.do_bench``, median, L2 flushed)
-over block_t x heads_per_prog x num_warps x x_evict for T = 65536 local
+over block_t x heads_per_prog x num_warps for T = 65536 local
 tokens, bf16, head_dim 128: (a) one tensor of 32 heads, (b) q 32 + k 8 heads,
 each with 1 sequence and with 4096 skewed sequences, and prints the % of a
 device-to-device copy measured in the same run, best first.
@@ -57,9 +57,8 @@ def main() -> None:
         default = launch_config(T, hq, hk, D, D, 2)
         for n in (1, 4096):
             cu = skewed_cu(T, n, dev)
-            for bt, hpp, nw, ev in itertools.product((16, 32, 64), (2, 4, 8), (4, 8),
-                                                     ("", "evict_first")):
-                cfg = dict(block_t=bt, heads_per_prog=hpp, num_warps=nw, x_evict=ev)
+            for bt, hpp, nw in itertools.product((8, 16, 32, 64), (2, 4, 8), (2, 4, 8)):
+                cfg = dict(block_t=bt, heads_per_prog=hpp, num_warps=nw)
                 fn = lambda: rotary_triton(q, k, oq, ok, cos, sin, cu, 1, 0, False, False, cfg)  # noqa: B023
                 ms = triton.testing.do_bench(fn, rep=25, return_mode="median")
                 pct = 100 * nbytes / ms / 1e9 / copy_bw
@@ -67,14 +66,14 @@ def main() -> None:
             fn = lambda: rotary_triton(q, k, oq, ok, cos, sin, cu, 1, 0, False, False)  # noqa: B023
             ms = triton.testing.do_bench(fn, rep=25, return_mode="median")
             rows.append(dict(case=case, n_seqs=n, block_t="heuristic", heads_per_prog=default[1],
-                             num_warps=default[2]["num_warps"], x_evict="", ms=ms,
+                             num_warps=default[2]["num_warps"], ms=ms,
                              pct=100 * nbytes / ms / 1e9 / copy_bw))
     for case, n in itertools.product("ab", (1, 4096)):
         sel = sorted((r for r in rows if r["case"] == case and r["n_seqs"] == n), key=lambda r: r["ms"])
         print(f"\n## case {case}, n_seqs {n}")
         for r in sel[:6] + [r for r in sel if r["block_t"] == "heuristic"]:
             print(f"  block_t {r['block_t']!s:>9} hpp {r['heads_per_prog']} warps {r['num_warps']} "
-                  f"evict {r['x_evict'] or '-':11} {r['ms']:.4f} ms {r['pct']:.1f}%")
+                  f"{r['ms']:.4f} ms {r['pct']:.1f}%")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "sweep_rope.json"), "w") as f:
