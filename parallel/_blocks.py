@@ -94,13 +94,14 @@ def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     return out, lse
 
 
-# Partials: forward gives [(q_row0, out [n, Hq, D], lse [Hq, n])]; backward gives
-# [(q_row0, dq, k_row0, dk, dv)]. Varlen backends cover all rows at once (row0 = 0).
+# Partials: forward gives [(q_row0, out [n, Hq, D], lse [Hq, n])]; backward gives an
+# iterable of (q_row0, dq, k_row0, dk, dv). Varlen backends cover all rows at once (row0 = 0).
 
 
 class _Reference:
     name = "reference"
     needs_host_segments = False
+    partials_in_input_dtype = False  # fp32 (fp64) math and partials for any input
     rows_per_chunk = 128
 
     def _row_windows(self, blk: Block, n_rows: int, device):
@@ -179,6 +180,7 @@ class _Varlen:
     """Flash-style varlen kernels (torch's own or the flash_attn package)."""
 
     needs_host_segments = False
+    partials_in_input_dtype = True
 
     def __init__(self, name, fwd, bwd):
         self.name, self._fwd, self._bwd = name, fwd, bwd
@@ -205,6 +207,7 @@ class _Cudnn:
 
     name = "torch_cudnn"
     needs_host_segments = True
+    partials_in_input_dtype = True
 
     @staticmethod
     def _bhsd(x, row0, n):
@@ -220,14 +223,15 @@ class _Cudnn:
         return parts, auxs
 
     def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
-        grads = []
+        """A generator: one call per segment, its grads yielded (and released by the caller)
+        before the next call allocates its own."""
         for (q0, nq, k0, nk), seg_aux in zip(blk.dense, aux, strict=True):
-            dq, dk, dv = _compat.torch_cudnn_bwd(
+            g = _compat.torch_cudnn_bwd(
                 self._bhsd(dout, q0, nq), self._bhsd(q, q0, nq), self._bhsd(k, k0, nk),
                 self._bhsd(v, k0, nk), self._bhsd(out, q0, nq), lse[:, q0:q0 + nq].unsqueeze(0),
                 blk.causal, scale, seg_aux)
-            grads.append((q0, dq.transpose(1, 2)[0], k0, dk.transpose(1, 2)[0], dv.transpose(1, 2)[0]))
-        return grads
+            yield q0, g[0].transpose(1, 2)[0], k0, g[1].transpose(1, 2)[0], g[2].transpose(1, 2)[0]
+            del g
 
 
 BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "reference")

@@ -1,7 +1,8 @@
 """The one ring-communication helper of CP attention.
 
-Each exchange sends one tensor to the next rank of the CP group and receives
-one of the same shape from the previous rank, in a single
+Each exchange sends a tuple of tensors (K and V as they are: no stacking
+copy) to the next rank of the CP group and receives tensors of the same
+shapes from the previous rank, in a single
 ``batch_isend_irecv`` (NCCL runs it as one group, so no rank can wait on a
 partner that waits on it; gloo matches the point-to-point messages of a pair
 in posting order, and every rank posts in the same order). The exchange is
@@ -19,7 +20,7 @@ __all__ = ["RingExchange"]
 
 
 class RingExchange:
-    """``start(x)`` posts send(x -> rank + 1) and recv(<- rank - 1); ``wait()`` returns the recv."""
+    """``start(xs)`` posts send(xs -> rank + 1) and recv(<- rank - 1); ``wait()`` returns the recvs."""
 
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group
@@ -29,19 +30,21 @@ class RingExchange:
         self.next = dist.get_global_rank(group, (rank + 1) % self.size)
         self.prev = dist.get_global_rank(group, (rank - 1) % self.size)
         self._works: list = []
-        self._pending: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._pending: tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]] | None = None
 
-    def start(self, x: torch.Tensor) -> None:
+    def start(self, xs: tuple[torch.Tensor, ...]) -> None:
         if self._pending is not None:
             raise RuntimeError("RingExchange.start called twice without wait()")
-        x = x.contiguous()
-        recv = torch.empty_like(x)
-        ops = [dist.P2POp(dist.isend, x, self.next, self.group),
-               dist.P2POp(dist.irecv, recv, self.prev, self.group)]
+        xs = tuple(x.contiguous() for x in xs)
+        recvs = tuple(torch.empty_like(x) for x in xs)
+        ops = []
+        for x, recv in zip(xs, recvs, strict=True):
+            ops += [dist.P2POp(dist.isend, x, self.next, self.group),
+                    dist.P2POp(dist.irecv, recv, self.prev, self.group)]
         self._works = dist.batch_isend_irecv(ops)
-        self._pending = (x, recv)  # keep the send buffer alive until the wait
+        self._pending = (xs, recvs)  # keep the send buffers alive until the wait
 
-    def wait(self) -> torch.Tensor:
+    def wait(self) -> tuple[torch.Tensor, ...]:
         if self._pending is None:
             raise RuntimeError("RingExchange.wait called without start()")
         for w in self._works:

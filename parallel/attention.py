@@ -225,8 +225,15 @@ def _check_across_ranks(group, q, k, cu, max_seqlen, causal, method, seq_lens):
 
 # --------------------------------------------------------------------------- the plan
 
-def _segments(q_starts, q_end, k_starts, k_end, max_q, max_k, causal, device, host):
-    """A :class:`Block` from per-sequence segment starts (each a ``[B]`` tensor)."""
+def _segments(q_starts, q_end, k_starts, k_end, max_q, max_k, causal, device, host,
+              split_q=False):
+    """A :class:`Block` from per-sequence segment starts (each a ``[B]`` tensor).
+
+    ``split_q`` (unmasked blocks only): the host segments (one dense call each) are cut in
+    two halves of their query rows, so no dense call holds more query rows than one zigzag
+    chunk: the cuDNN backward's per-call memory (dq and its fp32 accumulator, proportional
+    to the query rows) then stays at the causal diagonal's.
+    """
     cu_q = torch.cat([torch.stack(q_starts, 1).flatten(), q_end.view(1)]).to(torch.int32)
     cu_k = torch.cat([torch.stack(k_starts, 1).flatten(), k_end.view(1)]).to(torch.int32)
     dense = None
@@ -234,6 +241,10 @@ def _segments(q_starts, q_end, k_starts, k_end, max_q, max_k, causal, device, ho
         bq, bk = cu_q.tolist(), cu_k.tolist()
         dense = tuple((bq[i], bq[i + 1] - bq[i], bk[i], bk[i + 1] - bk[i]) for i in range(len(bq) - 1)
                       if bq[i + 1] > bq[i] and bk[i + 1] > bk[i])
+        if split_q and not causal:
+            dense = tuple(piece for q0, nq, k0, nk in dense
+                          for piece in ((q0, nq // 2, k0, nk), (q0 + nq // 2, nq - nq // 2, k0, nk))
+                          if piece[1] > 0)
     return Block(cu_q.to(device), cu_k.to(device), max_q, max_k, causal, dense)
 
 
@@ -248,10 +259,20 @@ class _Plan:
             cu = cu.cpu()
         C, r, M = cp_size, cp_rank, max_seqlen
         self.cp_size, self.cp_rank, self.method, self.causal = C, r, method, causal
+        # partials summed into one output / dq row: every ring step; the all-gather's local
+        # block and one prefix block (causal) or the one global block
+        self.terms = C if method == "ring" else (2 if causal else 1)
+        # dK/dV pieces of one ring block on the same key rows: 2 where split_q cuts the
+        # cuDNN block of "src < r" (the same on every rank: the travelling dtype must agree)
+        self.kv_parts = 2 if host and causal and method == "ring" and C > 1 else 1
+        self.n_rows = n_rows
+        # rows past cu_seqlens[-1]: a host count when the segments are on the host anyway
+        self.n_valid = int(cu[-1]) if host else None
         self.valid_rows = torch.arange(n_rows, device=dev) < cu_seqlens[-1].to(torch.int64)
         a, e, end = cu[:-1], cu[1:], cu[-1]
         h = (e - a) // 2
-        seg = lambda qs, qe, ks, ke, mq, mk, c: _segments(qs, qe, ks, ke, mq, mk, c, dev, host)
+        seg = lambda qs, qe, ks, ke, mq, mk, c, split=False: _segments(
+            qs, qe, ks, ke, mq, mk, c, dev, host, split)
         if seq_lens is not None:
             lens = cu_seqlens[1:].to(torch.int64) - cu_seqlens[:-1]
             seq_lens = seq_lens.to(device=cu_seqlens.device, dtype=torch.int64)
@@ -271,7 +292,7 @@ class _Plan:
                 elif i == 0:
                     self.ring.append(seg([a], end, [a], end, M, M, True))
                 elif src < r:  # all local queries x first half of the received keys
-                    self.ring.append(seg([a, e], end, [a, a + h], end, M, M // 2, False))
+                    self.ring.append(seg([a, e], end, [a, a + h], end, M, M // 2, False, True))
                 else:  # second half of the local queries x all received keys
                     self.ring.append(seg([a, a + h], end, [a, a], end, M // 2, M, False))
             return
@@ -314,26 +335,124 @@ class _Plan:
 
 
 # --------------------------------------------------------------------------- forward / backward
+#
+# Memory (bytes per rank; T local rows, bf16 inputs, GPU kernels whose partials are bf16).
+# Kept across the call: q, k, v, dout, out (the result, saved for backward), LSE (fp32
+# [Hq, T]). Beyond those:
+# * accumulators (out, dq, dk, dv) take the first kernel output that covers all their rows
+#   (no zero-filled copy); a row that sums at most two partials accumulates in the input
+#   dtype (one fp32 merge / add rounded once: the bits of an fp32 accumulator cast at the
+#   end), more (ring with cp_size > 2) in fp32. At cp_size 1 the out / dq / dk / dv of the
+#   one kernel call ARE the results: nothing is allocated beyond q..lse and the grads.
+# * the ring sends K and V as they are (no stacked copy): one receive buffer of K/V
+#   (2 T Hkv D elements) while a step computes;
+# * dK/dV of a received block travel only for received blocks (cp_size - 1 hops back to
+#   the owner; the owner's own step-0 dK/dV stay home): one travelling buffer in the
+#   accumulation dtype (bf16 at cp_size 2: the one kernel output itself);
+# * merges run over 8192-row slices: the fp32 temporaries stay at 8192 x Hq x D;
+# * cuDNN: no dense call holds more query rows than one zigzag chunk except the causal
+#   diagonal (``_segments(split_q=True)``), so the per-call backward memory (its dq output
+#   and fp32 dq accumulator, both proportional to the query rows) stays at step 0's.
+# Per rank at cp_size C on one sequence (S tokens, Hq = 4 Hkv): persistent q, k, v, dout,
+# out, dq, dk, dv = 5 S Hq D / C elements, plus the K/V receive buffer (S Hq D / (2 C)),
+# plus one call's outputs and workspace; at cp_size 1: 5 S Hq D plus the one call's.
 
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
+_MERGE_ROWS = 8192
 
 
-def _merge_into(out_acc, lse_acc, parts, first: bool):
-    """Merge a block's partials into the accumulators (the first block is copied)."""
-    for row0, o, lse in parts:
-        rows = slice(row0, row0 + o.shape[0])
-        if first:  # parts of one block are disjoint; rows it leaves out stay (0, -inf)
-            out_acc[rows], lse_acc[:, rows] = o, lse
-        else:
-            out_acc[rows], lse_acc[:, rows] = merge_partials(out_acc[rows], lse_acc[:, rows], o, lse)
+def _acc_dtype(dtype, terms, be):
+    """Accumulator dtype for a sum of ``terms`` partials from backend ``be`` (see above)."""
+    if dtype == torch.float64:
+        return torch.float64
+    if terms <= 2 and be.partials_in_input_dtype:
+        return dtype
+    return torch.float32
 
 
-def _add_grads(dq_acc, dk_acc, dv_acc, grads):
-    for q0, dq, k0, dk, dv in grads:
-        dq_acc[q0:q0 + dq.shape[0]] += dq
-        dk_acc[k0:k0 + dk.shape[0]] += dk
-        dv_acc[k0:k0 + dv.shape[0]] += dv
+class _Rows:
+    """Sum of row-slice terms ``[row0 : row0 + n]``; adopts a first term that covers every row."""
+
+    def __init__(self, shape, dtype, device, t=None):
+        self.shape, self.dtype, self.device, self.t = tuple(shape), dtype, device, t
+
+    def add(self, row0, g):
+        if self.t is None:
+            if row0 == 0 and tuple(g.shape) == self.shape and g.dtype == self.dtype \
+                    and g.is_contiguous():
+                self.t = g.detach()  # a kernel output of our own (detach: not a view)
+                return
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.t[row0:row0 + g.shape[0]] += g
+
+    def value(self):
+        if self.t is None:
+            self.t = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        return self.t
+
+
+class _OutAcc:
+    """The output ``[T, Hq, D]`` and LSE ``[Hq, T]`` accumulators of the forward."""
+
+    def __init__(self, q, dtype):
+        self.shape, self.dtype, self.device = tuple(q.shape), dtype, q.device
+        self.lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        self.out = self.lse = None
+
+    def add(self, parts, first: bool):
+        """Merge a block's partials (the first block's, disjoint, are copied)."""
+        for row0, o, lse in parts:
+            n = o.shape[0]
+            if self.out is None:
+                if first and row0 == 0 and n == self.shape[0] and o.dtype == self.dtype \
+                        and o.is_contiguous():
+                    self.out, self.lse = o.detach(), lse.to(self.lse_dtype).contiguous()
+                    continue
+                self._allocate()
+            rows = slice(row0, row0 + n)
+            if first:  # rows it leaves out stay (0, -inf)
+                self.out[rows], self.lse[:, rows] = o, lse
+                continue
+            for s in range(0, n, _MERGE_ROWS):
+                e = min(n, s + _MERGE_ROWS)
+                r = slice(row0 + s, row0 + e)
+                self.out[r], self.lse[:, r] = merge_partials(self.out[r], self.lse[:, r],
+                                                             o[s:e], lse[:, s:e])
+
+    def _allocate(self):
+        self.out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.lse = torch.full((self.shape[1], self.shape[0]), NEG_INF, dtype=self.lse_dtype,
+                              device=self.device)
+
+    def result(self, plan, dtype):
+        if self.out is None:
+            self._allocate()
+        out = _mask_pad(self.out, plan, 0.0, 0).to(dtype)
+        return out, _mask_pad(self.lse, plan, NEG_INF, 1)
+
+
+def _mask_pad(t, plan, fill, dim):
+    """Rows (along ``dim``) at or beyond ``cu_seqlens[-1]`` <- ``fill``, in place."""
+    if plan.n_valid is not None:  # host count: touch the padding rows only
+        if plan.n_valid < plan.n_rows:
+            t.narrow(dim, plan.n_valid, plan.n_rows - plan.n_valid).fill_(fill)
+        return t
+    shape = [1] * t.dim()
+    shape[dim] = -1
+    return t.masked_fill_(~plan.valid_rows.view(shape), fill)
+
+
+def _add_grads(dq, dk, dv, grads):
+    """Add a block's grads (an iterable: one kernel call per item). dq goes in at once; the
+    dK/dV pieces are added after the last call, so an accumulator that must be allocated
+    (pieces covering part of the rows) does not coexist with a kernel's workspace."""
+    kv_parts = []
+    for q0, gq, k0, gk, gv in grads:
+        dq.add(q0, gq)
+        kv_parts.append((k0, gk, gv))
+        del gq, gk, gv
+    for k0, gk, gv in kv_parts:
+        dk.add(k0, gk)
+        dv.add(k0, gv)
 
 
 class _Gather:
@@ -373,38 +492,35 @@ def _scatter_global_grads(dkv_glob, plan, group, n_rows):
 class _CPAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, plan, be, group, scale):
-        T, hq, d = q.shape
-        acc = _acc_dtype(q.dtype)
-        out_acc = torch.zeros(T, hq, d, dtype=acc, device=q.device)
-        lse_acc = torch.full((hq, T), NEG_INF, dtype=acc, device=q.device)
+        acc = _OutAcc(q, _acc_dtype(q.dtype, plan.terms, be))
         auxs = []
         if plan.method == "ring":
             C = plan.cp_size
             ring = RingExchange(group) if C > 1 else None
-            kv = torch.stack([k, v]) if C > 1 else None
+            kv = (k, v)
             for i, blk in enumerate(plan.ring):
                 if i + 1 < C:
                     ring.start(kv)
-                kk, vv = (k, v) if i == 0 else (kv[0], kv[1])
-                parts, aux = be.forward(q, kk, vv, blk, scale)
+                parts, aux = be.forward(q, kv[0], kv[1], blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts, first=i == 0)
+                acc.add(parts, first=i == 0)
+                del parts  # before the next block's kernel allocates its own
                 if i + 1 < C:
                     kv = ring.wait()
+            del kv
         else:
             gather = _Gather(torch.stack([k, v]), group, plan)
             for blk in plan.local:
                 parts, aux = be.forward(q, k, v, blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts, first=len(auxs) == 1)
+                acc.add(parts, first=len(auxs) == 1)
             kv = gather.wait()
             for blk in plan.glob:
                 parts, aux = be.forward(q, kv[0], kv[1], blk, scale)
                 auxs.append(aux)
-                _merge_into(out_acc, lse_acc, parts, first=len(auxs) == 1)
-        valid = plan.valid_rows
-        out = out_acc.masked_fill_(~valid[:, None, None], 0.0).to(q.dtype)
-        lse = lse_acc.masked_fill_(~valid[None, :], NEG_INF)
+                acc.add(parts, first=len(auxs) == 1)
+            del parts, kv
+        out, lse = acc.result(plan, q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.plan, ctx.be, ctx.group, ctx.scale, ctx.auxs = plan, be, group, scale, auxs
         return out
@@ -414,38 +530,53 @@ class _CPAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         plan, be, group, scale, auxs = ctx.plan, ctx.be, ctx.group, ctx.scale, ctx.auxs
         dout = dout.contiguous()
-        acc = _acc_dtype(q.dtype)
-        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dkv = torch.zeros((2, *k.shape), dtype=acc, device=q.device)
-        C = plan.cp_size
-        if plan.method == "ring" and C == 1:
-            _add_grads(dq, dkv[0], dkv[1], be.backward(dout, q, k, v, out, lse, plan.ring[0], scale, auxs[0]))
-        elif plan.method == "ring":
-            kv_ring, dkv_ring = RingExchange(group), RingExchange(group)
-            kv = torch.stack([k, v])
+        C, dev = plan.cp_size, q.device
+        dq = _Rows(q.shape, _acc_dtype(q.dtype, plan.terms, be), dev)
+        home = _acc_dtype(q.dtype, min(plan.terms, 2), be)  # own block + what comes back
+        dk, dv = _Rows(k.shape, home, dev), _Rows(v.shape, home, dev)
+        if plan.method == "ring":
+            kv_ring = RingExchange(group) if C > 1 else None
+            dkv_ring = RingExchange(group) if C > 1 else None
+            # the travelling sum is added to the owner's step-0 dK/dV: one more term
+            travel = _acc_dtype(q.dtype, (C - 1) * plan.kv_parts + 1, be)
+            kv = (k, v)
             for i, blk in enumerate(plan.ring):
                 if i + 1 < C:
                     kv_ring.start(kv)
                 grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, auxs[i])
-                if i > 0:
-                    dkv = dkv_ring.wait()  # dK/dV of the K/V in hand, accumulated upstream
-                _add_grads(dq, dkv[0], dkv[1], grads)
-                dkv_ring.start(dkv)
+                if i == 0:
+                    _add_grads(dq, dk, dv, grads)
+                else:  # dK/dV of the K/V in hand: summed by the ranks it visited, then here
+                    if i == 1:
+                        tk, tv = _Rows(k.shape, travel, dev), _Rows(v.shape, travel, dev)
+                    else:
+                        tk, tv = (_Rows(k.shape, travel, dev, t) for t in dkv_ring.wait())
+                    _add_grads(dq, tk, tv, grads)
+                    del grads
+                    dkv_ring.start((tk.value(), tv.value()))
+                    del tk, tv
                 if i + 1 < C:
                     kv = kv_ring.wait()
-            dkv = dkv_ring.wait()  # back at the owner
+            del kv
+            if C > 1:  # our own K/V's dK/dV, back from the last rank they visited
+                back_k, back_v = dkv_ring.wait()
+                dk.add(0, back_k)
+                dv.add(0, back_v)
         else:
             gather = _Gather(torch.stack([k, v]), group, plan)
             for blk, aux in zip(plan.local, auxs[:len(plan.local)], strict=True):
-                _add_grads(dq, dkv[0], dkv[1], be.backward(dout, q, k, v, out, lse, blk, scale, aux))
+                _add_grads(dq, dk, dv, be.backward(dout, q, k, v, out, lse, blk, scale, aux))
             kv = gather.wait()
-            dkv_glob = torch.zeros((2, *kv.shape[1:]), dtype=acc, device=q.device)
+            # summed over the blocks here and over the ranks by the reduce-scatter: fp32
+            dkv_glob = torch.zeros((2, *kv.shape[1:]), dtype=_acc_dtype(q.dtype, 2 * C, be),
+                                   device=dev)
+            gk, gv = (_Rows(kv.shape[1:], dkv_glob.dtype, dev, t) for t in dkv_glob)
             for blk, aux in zip(plan.glob, auxs[len(plan.local):], strict=True):
-                grads = be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, aux)
-                _add_grads(dq, dkv_glob[0], dkv_glob[1], grads)
-            dkv += _scatter_global_grads(dkv_glob, plan, group, q.shape[0])
-        pad = ~plan.valid_rows[:, None, None]
-        dq = dq.masked_fill_(pad, 0.0).to(q.dtype)
-        dk = dkv[0].masked_fill_(pad, 0.0).to(k.dtype)
-        dv = dkv[1].masked_fill_(pad, 0.0).to(v.dtype)
-        return dq, dk, dv, None, None, None, None
+                _add_grads(dq, gk, gv, be.backward(dout, q, kv[0], kv[1], out, lse, blk, scale, aux))
+            del kv
+            share = _scatter_global_grads(dkv_glob, plan, group, q.shape[0])
+            dk.add(0, share[0])
+            dv.add(0, share[1])
+        grads = [_mask_pad(acc.value(), plan, 0.0, 0).to(t.dtype)
+                 for acc, t in ((dq, q), (dk, k), (dv, v))]
+        return (*grads, None, None, None, None)

@@ -223,7 +223,7 @@ def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     out[int(cu_q[-1]):], lse[:, int(cu_q[-1]):] = float("nan"), float("nan")
-    return out, lse, "rng", "unused"
+    return out.to(q.dtype), lse, "rng", "unused"  # like the kernels: out in q's dtype
 
 
 def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
@@ -232,7 +232,7 @@ def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, sc
     blk = Block(cu_q, cu_k, max_q, max_k, causal)
     [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
     dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
-    return dq, dk, dv
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def _dense(fn, *bhsd):
@@ -244,7 +244,7 @@ def fake_cudnn_fwd(q, k, v, causal, scale):
     sq, sk = q.shape[2], k.shape[2]
     blk = Block(torch.tensor([0, sq]), torch.tensor([0, sk]), sq, sk, causal)
     [(_, out, lse)], _ = _dense(lambda q, k, v: _Reference().forward(q, k, v, blk, scale), q, k, v)
-    return out.transpose(0, 1).unsqueeze(0), lse.unsqueeze(0), ("aux", blk)
+    return out.to(q.dtype).transpose(0, 1).unsqueeze(0), lse.unsqueeze(0), ("aux", blk)
 
 
 def fake_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
@@ -253,7 +253,7 @@ def fake_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
     [(_, *grads)] = _dense(lambda do, q, k, v, o: _Reference().backward(
         do, q, k, v, o, lse[0], blk, scale, None), dout, q, k, v, out)
     dq, _, dk, dv = grads
-    return tuple(g.transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
+    return tuple(g.to(q.dtype).transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
 
 
 def _install_fake_kernels():
@@ -312,8 +312,38 @@ def _parity_body(rank, world_size):
                                       (ref, *ref_grads), strict=True):
                 assert_close(unshard(got.detach(), local_cu, group), exp, **F64_EXACT,
                              name=f"{tag} {name}")
+    if world_size == 2:
+        _half_accumulators_match_fp32(rank, world_size, group)
     if world_size > 1:
         _errors_across_ranks(rank, world_size, group)
+
+
+def _half_accumulators_match_fp32(rank, world_size, group):
+    """bf16 at cp_size 2: accumulating (at most two terms) in bf16 gives the very bits of fp32
+    accumulators cast at the end -- the claim that lets out / dq / dk / dv live in bf16."""
+    from cp_rope.parallel import attention as att
+
+    natural = att._acc_dtype
+    for ci, (backend, one_seq, method) in enumerate([("fake_flash", False, "ring"),
+                                                     ("fake_cudnn", True, "ring"),
+                                                     ("fake_flash", False, "allgather")]):
+        lens, cu, tensors = _make_case(300 + ci, world_size, 4, 2, 16, one_seq)
+        local_cu = local_cu_seqlens(cu, world_size)
+        max_local = int((local_cu[1:] - local_cu[:-1]).max())
+        loc = [shard_tensor(t, cu, world_size, rank).bfloat16() for t in tensors]
+        results = []
+        for acc_dtype in (natural, lambda dtype, terms, be: torch.float32):
+            att._acc_dtype = acc_dtype
+            try:
+                ql, kl, vl = (t.clone().requires_grad_() for t in loc[:3])
+                out = context_parallel_attention(ql, kl, vl, local_cu, max_local, group=group,
+                                                 method=method, backend=backend)
+                out.backward(loc[3])
+            finally:
+                att._acc_dtype = natural
+            results.append([t.view(torch.int16) for t in (out, ql.grad, kl.grad, vl.grad)])
+        for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
+            assert torch.equal(a, b), f"{backend} {method} rank{rank} {name}: bf16 != fp32 accumulation"
 
 
 def _errors_across_ranks(rank, world_size, group):
