@@ -42,7 +42,7 @@ import torch
 
 from . import _compat
 
-__all__ = ["Block", "merge_partials", "get_backend", "BACKENDS"]
+__all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "BACKENDS"]
 
 NEG_INF = float("-inf")
 
@@ -80,18 +80,34 @@ def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
     bit for bit (whatever its output holds); if both are -inf the row is 0
     with LSE -inf. Never produces NaN from -inf.
     """
-    none1, none2 = lse1 == NEG_INF, lse2 == NEG_INF
-    both = none1 & none2
-    lse = torch.where(none2, lse1, torch.where(none1, lse2, torch.logaddexp(lse1, lse2)))
-    safe = lse.masked_fill(both, 0.0)
-    rows = lambda x: x.T.unsqueeze(-1)  # [H, n] -> [n, H, 1]
+    lse, w1, w2 = merge_weights(lse1, lse2)
+    none1, none2 = _rows(lse1 == NEG_INF), _rows(lse2 == NEG_INF)
     # one output-sized temporary: out = out2 * w2 + out1 * w1, then the exact cases in place
-    out = out2 * rows(torch.exp(lse2 - safe))
-    out.addcmul_(out1, rows(torch.exp(lse1 - safe)))
-    torch.where(rows(none2), out1, out, out=out)
-    torch.where(rows(none1), out2, out, out=out)
-    out.masked_fill_(rows(both), 0.0)
+    out = out2 * w2
+    out.addcmul_(out1, w1)
+    torch.where(none2, out1, out, out=out)
+    torch.where(none1, out2, out, out=out)
+    out.masked_fill_(none1 & none2, 0.0)
     return out, lse
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    return x.T.unsqueeze(-1)  # [H, n] -> [n, H, 1]
+
+
+def merge_weights(lse1: torch.Tensor, lse2: torch.Tensor):
+    """``(lse [H, n], w1 [n, H, 1], w2 [n, H, 1])`` of the merge ``out = w1 out1 + w2 out2``.
+
+    Only ``[H, n]``-sized work. A -inf partial gets weight 0 and the other weight exactly 1
+    (``exp(0)``); both -inf: weights 0, LSE -inf. Then ``w1 out1 + w2 out2`` is exact
+    wherever the -inf partials hold finite values (the kernels write 0 there; only padding
+    rows past ``cu_seqlens[-1]`` may hold garbage, and those are overwritten at the end);
+    :func:`merge_partials` adds the exact cases for arbitrary contents.
+    """
+    none1, none2 = lse1 == NEG_INF, lse2 == NEG_INF
+    lse = torch.where(none2, lse1, torch.where(none1, lse2, torch.logaddexp(lse1, lse2)))
+    safe = lse.masked_fill(none1 & none2, 0.0)
+    return lse, _rows(torch.exp(lse1 - safe)), _rows(torch.exp(lse2 - safe))
 
 
 # Partials: forward gives [(q_row0, out [n, Hq, D], lse [Hq, n])]; backward gives an

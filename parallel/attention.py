@@ -50,7 +50,7 @@ import torch.distributed as dist
 from cp_rope.positions import global_positions
 
 from . import _compat
-from ._blocks import NEG_INF, Block, get_backend, merge_partials
+from ._blocks import NEG_INF, Block, get_backend, merge_weights
 from ._ring import RingExchange
 from .sharding import cp_shard_indices
 
@@ -412,11 +412,17 @@ class _OutAcc:
             if first:  # rows it leaves out stay (0, -inf)
                 self.out[rows], self.lse[:, rows] = o, lse
                 continue
+            # weights on [H, n]; then per 8192-row slice three output-sized passes
+            # (o * w2 in fp32, + out * w1, copy back rounded once) instead of merge_partials'
+            # exact-case passes, which only padding rows (overwritten at the end) would need
+            lse_new, w1, w2 = merge_weights(self.lse[:, rows], lse)
+            self.lse[:, rows] = lse_new
             for s in range(0, n, _MERGE_ROWS):
                 e = min(n, s + _MERGE_ROWS)
-                r = slice(row0 + s, row0 + e)
-                self.out[r], self.lse[:, r] = merge_partials(self.out[r], self.lse[:, r],
-                                                             o[s:e], lse[:, s:e])
+                acc_rows = self.out[row0 + s:row0 + e]
+                tmp = o[s:e] * w2[s:e]
+                tmp.addcmul_(acc_rows, w1[s:e])
+                acc_rows.copy_(tmp)
 
     def _allocate(self):
         self.out = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
