@@ -65,8 +65,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed iterations per config (default 1)")
-    p.add_argument("--iters", type=int, default=3, help="timed iterations per config (default 3)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed iterations per config (default 2)")
+    p.add_argument("--iters", type=int, default=8,
+                   help="timed iterations per config (default 8: the cp-2 comparisons differ by ~1%%)")
     p.add_argument("--skip-torch-cp", action="store_true", help="do not run PyTorch's context_parallel")
     p.add_argument("--out", default=None, help="directory for cp_attention_cp<W>.md (default: print only)")
     return p.parse_args()
@@ -76,7 +77,8 @@ def causal_fwd_flops(lengths: list[int], heads: int, head_dim: int) -> float:
     return 4.0 * sum(n * n for n in lengths) / 2 * heads * head_dim
 
 
-def cuda_time_ms(fn, warmup: int, iters: int) -> float:
+def cuda_time_ms(fn, warmup: int, iters: int) -> tuple[float, float]:
+    """(median ms, spread = (max - min) / median) over ``iters`` timed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -87,7 +89,8 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> float:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    med = statistics.median(times)
+    return med, (max(times) - min(times)) / med
 
 
 def bench_ours(args, lengths, cp_size, rank, group, method, backend, device):
@@ -105,7 +108,11 @@ def bench_ours(args, lengths, cp_size, rank, group, method, backend, device):
 
 
 def measure(args, run, leaves, dout):
-    """(fwd ms, fwd+bwd ms, peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``."""
+    """(fwd ms, (fwd+bwd ms, spread), peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``.
+
+    Peak memory: ``max_memory_allocated`` after a reset, with the inputs (q, k, v, dout)
+    allocated and the previous gradients released -- the same accounting at every cp_size.
+    """
 
     def fwd():
         with torch.no_grad():
@@ -122,7 +129,7 @@ def measure(args, run, leaves, dout):
     fwd_bwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return cuda_time_ms(fwd, args.warmup, args.iters), cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak
+    return cuda_time_ms(fwd, args.warmup, args.iters)[0], cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak
 
 
 def bench_torch_cp(args, cp_size, kv_heads, device):
@@ -161,8 +168,8 @@ def main() -> int:
 
     def record(layout, cp, impl, backend, fn):
         try:
-            f, fb, peak = fn()
-            rows.append((layout, cp, impl, backend, f, fb, peak, ""))
+            f, (fb, spread), peak = fn()
+            rows.append((layout, cp, impl, backend, f, fb, peak, f"spread {100 * spread:.1f}%"))
         except Exception as exc:  # unsupported combination: report it, keep going
             rows.append((layout, cp, impl, backend, None, None, None, f"{type(exc).__name__}: {str(exc)[:120]}"))
         torch.cuda.empty_cache()
@@ -223,7 +230,8 @@ def format_report(args, world, layouts, rows, peaks, elapsed, out_dir) -> str:
         f"Hardware: {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
         f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, Python {platform.python_version()}  ",
-        f"Median of {args.iters} iterations after {args.warmup} warm-up; TFLOP/s per GPU with causal "
+        f"Median of {args.iters} iterations after {args.warmup} warm-up (note: fwd+bwd spread "
+        "= (max - min) / median); TFLOP/s per GPU with causal "
         "FLOPs counted once (fwd = 4 * sum L^2 / 2 * Hq * D, fwd+bwd = 3.5 fwd); scaling efficiency "
         "= t(cp=1, fastest backend) / (cp * t); memory = peak allocated per GPU (max over ranks). "
         f"Run time {elapsed:.0f} s.",
