@@ -20,8 +20,8 @@ computes. At step ``i`` rank ``r`` holds the K/V of ``src = (r - i) mod C``:
 Every rank does the same work at every step. The backward runs the ring
 again; the dK/dV of a received block travel with the K/V (``C - 1`` hops, the
 owner's own step-0 dK/dV stay home) and reach their owner one exchange after
-the last step, in the input dtype at ``C = 2`` (one term: exact) and in fp32
-beyond (see the memory notes above ``_acc_dtype``).
+the last step, in the input dtype at ``C = 2`` and in fp32 beyond (see the
+memory notes above ``_acc_dtype``).
 
 ``method="allgather"`` (TransformerEngine's all-gather CP / Llama 3): K/V are
 all-gathered (overlapped with the local diagonal block) and put in global
@@ -278,9 +278,6 @@ class _Plan:
         # partials summed into one output / dq row: every ring step; the all-gather's local
         # block and one prefix block (causal) or the one global block
         self.terms = C if method == "ring" else (2 if causal else 1)
-        # dK/dV pieces of one ring block on the same key rows: 2 where split_q cuts the
-        # cuDNN block of "src < r" (the same on every rank: the travelling dtype must agree)
-        self.kv_parts = 2 if host and causal and method == "ring" and C > 1 else 1
         self.n_rows = n_rows
         # rows past cu_seqlens[-1]: a host count when the segments are on the host anyway
         self.n_valid = int(cu[-1]) if host else None
@@ -363,8 +360,8 @@ class _Plan:
 # * the ring sends K and V as they are (no stacked copy): one receive buffer of K/V
 #   (2 T Hkv D elements) while a step computes;
 # * dK/dV of a received block travel only for received blocks (cp_size - 1 hops back to
-#   the owner; the owner's own step-0 dK/dV stay home): one travelling buffer in the
-#   accumulation dtype (bf16 at cp_size 2: the one kernel output itself);
+#   the owner; the owner's own step-0 dK/dV stay home): one travelling buffer, bf16 at
+#   cp_size 2 (the kernel output itself, or the sum of a split cuDNN block's two halves);
 # * merges run over 8192-row slices: the fp32 temporaries stay at 8192 x Hq x D;
 # * cuDNN: no dense call holds more query rows than one zigzag chunk except the causal
 #   diagonal (``_segments(split_q=True)``), so the per-call backward memory (its dq output
@@ -559,8 +556,11 @@ class _CPAttention(torch.autograd.Function):
         if plan.method == "ring":
             kv_ring = RingExchange(group) if C > 1 else None
             dkv_ring = RingExchange(group) if C > 1 else None
-            # the travelling sum is added to the owner's step-0 dK/dV: one more term
-            travel = _acc_dtype(q.dtype, (C - 1) * plan.kv_parts + 1, be)
+            # C - 1 steps' dK/dV, then added to the owner's: the input dtype at C = 2 (one
+            # term, or the two query halves of a split cuDNN block summed and rounded once:
+            # then one rounding more than fp32 accumulators; sending half the bytes of fp32
+            # on the one exchange the backward cannot overlap), fp32 beyond
+            travel = _acc_dtype(q.dtype, C, be)
             kv = (k, v)
             for i, blk in enumerate(plan.ring):
                 if i + 1 < C:

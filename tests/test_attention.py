@@ -320,7 +320,9 @@ def _parity_body(rank, world_size):
 
 def _half_accumulators_match_fp32(rank, world_size, group):
     """bf16 at cp_size 2: accumulating (at most two terms) in bf16 gives the very bits of fp32
-    accumulators cast at the end -- the claim that lets out / dq / dk / dv live in bf16."""
+    accumulators cast at the end -- the claim that lets out / dq / dk / dv live in bf16. The
+    one exception: the split cuDNN block's dK/dV travel as one bf16 sum of its two halves,
+    one rounding more (within one bf16 ulp plus a half-ulp of the largest value)."""
     from cp_rope.parallel import attention as att
 
     natural = att._acc_dtype
@@ -343,7 +345,13 @@ def _half_accumulators_match_fp32(rank, world_size, group):
                 att._acc_dtype = natural
             results.append([t.view(torch.int16) for t in (out, ql.grad, kl.grad, vl.grad)])
         for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
-            assert torch.equal(a, b), f"{backend} {method} rank{rank} {name}: bf16 != fp32 accumulation"
+            tag = f"{backend} {method} rank{rank} {name}"
+            if backend == "fake_cudnn" and name in ("dk", "dv"):
+                a, b = a.view(torch.bfloat16).double(), b.view(torch.bfloat16).double()
+                assert not torch.equal(a, torch.zeros_like(a)), tag
+                assert_close(a, b, atol=2.0 ** -8 * float(b.abs().max()), rtol=2.0 ** -7, name=tag)
+            else:
+                assert torch.equal(a, b), f"{tag}: bf16 != fp32 accumulation"
 
 
 def _errors_across_ranks(rank, world_size, group):
