@@ -316,6 +316,9 @@ class _Plan:
         for p in range(C):
             self.global_index[cp_shard_indices(global_cu, C, p).to(dev)] = \
                 p * n_rows + torch.arange(n_local, device=dev)
+        # the same rows in a rank-major [C, 2 (k, v), T] buffer: k rows, then v rows
+        base = (self.global_index // n_rows) * (2 * n_rows) + self.global_index % n_rows
+        self.kv_index = torch.cat([base, base + n_rows])
         ga, gend = a * C, end * C
         if causal:
             # local: each half causally against itself; global: unmasked prefixes
@@ -490,16 +493,18 @@ class _Gather:
 
     def wait(self):
         self.work.wait()
-        flat = self.buf.transpose(0, 1).reshape(self.shape[0], -1, *self.shape[2:])  # [2, C*T, Hkv, D]
-        return flat.index_select(1, self.plan.global_index)
+        rest = self.shape[2:]  # one gather from the [C, 2, T] buffer into [2, C*T] global order
+        flat = self.buf.view(-1, *rest).index_select(0, self.plan.kv_index)
+        return flat.view(2, -1, *rest)
 
 
 def _scatter_global_grads(dkv_glob, plan, group, n_rows):
     """Global-order dK/dV ``[2, C*n, Hkv, D]`` -> this rank's summed share ``[2, T, Hkv, D]``."""
-    C = plan.cp_size
-    flat = dkv_glob.new_zeros((2, C * n_rows, *dkv_glob.shape[2:]))
-    flat.index_copy_(1, plan.global_index, dkv_glob)
-    per_rank = flat.view(2, C, n_rows, *dkv_glob.shape[2:]).transpose(0, 1).contiguous()
+    C, rest = plan.cp_size, dkv_glob.shape[2:]
+    # straight into the rank-major [C, 2, T] layout of the reduce-scatter (no transposed copy):
+    # gathered row p * T + i (global_index) is per_rank[p, 0 (k) / 1 (v), i]
+    per_rank = dkv_glob.new_zeros((C, 2, n_rows, *rest))
+    per_rank.view(C * 2 * n_rows, *rest).index_copy_(0, plan.kv_index, dkv_glob.reshape(-1, *rest))
     if dist.get_backend(group) == "gloo":  # reduce_scatter is missing from gloo in older torch
         dist.all_reduce(per_rank, group=group)
         return per_rank[plan.cp_rank]
