@@ -192,6 +192,37 @@ def test_bad_inputs():
         cpa(q.int(), k.int(), k.int(), cu, 8)
 
 
+def test_cp1_results_are_the_kernel_outputs(monkeypatch):
+    """cp_size 1 allocates nothing beyond the kernel's outputs: out, dq, dk, dv ARE the
+    (fake) GPU kernel's tensors (the memory design: no accumulator, no copy)."""
+    from cp_rope.parallel import _blocks, _compat
+    from cp_rope.parallel import attention as att
+
+    made = []
+
+    def record(fn):
+        def wrapped(*args):
+            res = fn(*args)
+            made.extend(t.data_ptr() for t in res if isinstance(t, torch.Tensor))
+            return res
+        return wrapped
+
+    monkeypatch.setattr(_compat, "torch_cudnn_fwd", record(fake_cudnn_fwd))
+    monkeypatch.setattr(_compat, "torch_cudnn_bwd", record(fake_cudnn_bwd))
+    flash = _blocks._Varlen("torch_flash", record(fake_flash_fwd), record(fake_flash_bwd))
+    gen = torch.Generator().manual_seed(7)
+    q, k, v, dout = (_rand(gen, 19, h, 8) for h in (4, 2, 2, 4))
+    for be, lens in ((flash, [6, 0, 13]), (_blocks._Cudnn(), [19])):
+        made.clear()
+        monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be: be)
+        cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+        qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
+        out = context_parallel_attention(qx, kx, vx, cu, max(lens))
+        out.backward(dout)
+        for name, t in (("out", out), ("dq", qx.grad), ("dk", kx.grad), ("dv", vx.grad)):
+            assert t.data_ptr() in made, f"{be.name}: {name} is a copy, not the kernel's output"
+
+
 # --------------------------------------------------------------------------- multi-rank
 
 def _make_case(seed, cp_size, hq, hkv, d, one_seq):
