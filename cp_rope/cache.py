@@ -147,6 +147,8 @@ def rope_cache(max_positions: int, rotary_dim: int, base: float = 10000.0,
         raise TypeError(f"max_positions must be an int, got {type(max_positions).__name__}")
     if max_positions < 1:
         raise ValueError(f"max_positions must be >= 1, got {max_positions}")
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype, got {dtype}")
     freq, scale = inv_freq(rotary_dim, base, scaling)
     angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), freq)
     cos, sin = torch.cos(angles), torch.sin(angles)

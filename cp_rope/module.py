@@ -18,8 +18,10 @@ class RotaryEmbedding(nn.Module):
     """RoPE for packed THD q/k with the CP position formula.
 
     Owns float32 cos/sin buffers ``[max_positions, rotary_dim // 2]`` (not
-    persistent: rebuilt from the arguments, moved by ``.to()``; they get no
-    gradient). ``forward(q, k, cu_seqlens, ...)`` calls
+    persistent: rebuilt from the arguments; they get no gradient). ``.to()``,
+    ``.cuda()`` and friends move them but never cast them: ``model.bfloat16()``
+    keeps the tables in float32, since bf16 angles are wrong by whole radians
+    at long positions. ``forward(q, k, cu_seqlens, ...)`` calls
     :func:`cp_rope.apply_rotary_emb_qk` (one kernel launch for q and k).
 
     Args:
@@ -51,6 +53,14 @@ class RotaryEmbedding(nn.Module):
         return apply_rotary_emb_qk(q, k, self.cos, self.sin, cu_seqlens, max_seqlen=max_seqlen,
                                    cp_size=cp_size, cp_rank=cp_rank, interleaved=self.interleaved,
                                    inplace=inplace, backend=backend)
+
+    def _apply(self, fn, recurse=True):
+        cos, sin = self.cos, self.sin
+        super()._apply(fn, recurse)
+        # Keep the float32 tables: take only the device of what fn made.
+        self.cos = cos.to(self.cos.device)
+        self.sin = sin.to(self.sin.device)
+        return self
 
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, "

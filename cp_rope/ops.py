@@ -159,13 +159,17 @@ def _check_args(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interl
     for name, t in (("cos", cos), ("sin", sin)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if not t.is_floating_point():
-            raise TypeError(f"{name} must be a floating tensor, got {t.dtype}")
+        if t.dtype not in (torch.float32, torch.float64):
+            raise TypeError(f"{name} must be float32 (rope_cache's tables; float64 also "
+                            f"accepted), got {t.dtype}: half-precision angle tables lose "
+                            f"whole radians at long positions")
         if t.dim() != 2:
             raise ValueError(f"{name} must be [max_positions, rotary_dim // 2], got shape "
                              f"{tuple(t.shape)}")
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, the input on {q.device}")
+    if cos.dtype != sin.dtype:
+        raise TypeError(f"cos and sin dtypes disagree: cos {cos.dtype}, sin {sin.dtype}")
     if cos.shape != sin.shape:
         raise ValueError(f"cos and sin shapes disagree: cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
     rotary_dim = 2 * cos.shape[1]
@@ -207,6 +211,9 @@ def _apply(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved
     cp_size, cp_rank = int(cp_size), int(cp_rank)  # numpy integers -> the ops' int
     k_ = k if k is not None else q.new_empty((q.shape[0], 0, q.shape[2]))
     if inplace:
+        if k is q:
+            raise ValueError("inplace=True with k the same tensor as q would rotate it twice; "
+                             "pass distinct q and k (views of one fused projection are fine)")
         if torch.is_grad_enabled() and (q.requires_grad or k_.requires_grad):
             raise ValueError("inplace=True is not differentiable: call with inplace=False when "
                              "q/k require grad (or under torch.no_grad())")

@@ -256,6 +256,8 @@ BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "reference")
 def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     d = q.shape[-1]
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return None
     if q.device.type != "cuda":

@@ -419,3 +419,11 @@ def test_failing_rank_does_not_hang():
     with pytest.raises(AssertionError, match=r"failed on \['rank0.err'\]"):
         run_distributed(_one_rank_fails_body, 2, timeout_s=5)
     assert time.monotonic() - start < 90  # timeout 5 s + process start-up on a loaded machine
+
+
+def test_unknown_backend_lists_the_choices():
+    q = torch.randn(8, 2, 16)
+    k = v = torch.randn(8, 1, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+        context_parallel_attention(q, k, v, cu, 8, backend="xformers")

@@ -370,3 +370,43 @@ def test_int64_addressing_over_2_pow_31_elements():
         assert_close(out[tail].cpu(), ref, name="last rows")
         assert torch.equal(out[-10:].cpu(), xs[-10:])
     assert math.prod(q.shape) > 2**31
+
+
+# --- inputs a fresh user tried (each must fail loudly, never silently) ------------------------
+
+
+def test_half_precision_cos_sin_rejected():
+    q = torch.randn(8, 2, 16)
+    cos, sin = cp_rope.rope_cache(64, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="cos must be float32"):
+        cp_rope.apply_rotary_emb(q, cos.bfloat16(), sin.bfloat16(), cu)
+    with pytest.raises(TypeError, match="cos and sin dtypes disagree"):
+        cp_rope.apply_rotary_emb(q, cos, sin.double(), cu)
+
+
+def test_rope_cache_rejects_integer_dtype():
+    with pytest.raises(TypeError, match="dtype must be a floating"):
+        cp_rope.rope_cache(16, 8, dtype=torch.int32)
+
+
+def test_inplace_with_k_aliasing_q_rejected():
+    q = torch.randn(8, 2, 16)
+    cos, sin = cp_rope.rope_cache(64, 16)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    before = q.clone()
+    with pytest.raises(ValueError, match="rotate it twice"):
+        cp_rope.apply_rotary_emb_qk(q, q, cos, sin, cu, inplace=True)
+    assert torch.equal(q, before)
+
+
+def test_rotary_embedding_keeps_float32_tables_when_module_is_cast():
+    rope = cp_rope.RotaryEmbedding(16, 4096, base=500000.0)
+    expected_cos = rope.cos.clone()
+    rope.to(torch.bfloat16)
+    assert rope.cos.dtype == torch.float32 and rope.sin.dtype == torch.float32
+    assert torch.equal(rope.cos, expected_cos)
+    q = torch.randn(40, 2, 16, dtype=torch.bfloat16)
+    cu = torch.tensor([0, 40], dtype=torch.int32)
+    out, _ = rope(q, q.clone(), cu)  # works on the bf16 inputs with the float32 tables
+    assert out.dtype == torch.bfloat16
