@@ -558,6 +558,9 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
 
     Resume: :meth:`state_dict` / :meth:`load_state_dict` record the epoch and
     the batches consumed in it; iteration resumes at the next batch exactly.
+    Every ``iter()`` of the loaded epoch starts there (also the repeated
+    ``iter(batch_sampler)`` of a multi-process ``DataLoader``) until a pass
+    finishes the epoch or :meth:`set_epoch` selects another one.
 
     Raises: ``TypeError``/``ValueError`` naming the argument.
     """
@@ -644,10 +647,14 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
         return len(self._plan()) // self.dp_size
 
     def __iter__(self) -> Iterator[list[tuple[int, int, int]]]:
-        # Not a generator itself: the position is reset when iteration is
-        # requested, not at the first batch.
+        # Every iter() of an epoch starts at the epoch's start position (a loaded
+        # state's, else 0) until a pass finishes the epoch or set_epoch changes
+        # it: torch's multi-process DataLoader calls iter(batch_sampler) twice
+        # (in __init__ and in _reset), so the position must not be used up by
+        # the first call. Not a generator itself: the count is reset when
+        # iteration is requested, not at the first batch.
         mine = self._plan()[self.dp_rank::self.dp_size]
-        start, self._resume_at = self._resume_at, 0
+        start = self._resume_at
         self._consumed = start
         return self._yield(mine[start:])
 
@@ -656,6 +663,7 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
         for items in batches:
             self._consumed += 1
             yield list(zip(doc[items].tolist(), s[items].tolist(), e[items].tolist(), strict=True))
+        self._resume_at = 0  # the epoch is finished: the next pass starts afresh
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch's shuffle. A different epoch than the one a loaded

@@ -299,6 +299,41 @@ def test_sampler_resumes_exactly_mid_epoch(lengths, dp_size, data):
     assert len(list(fresh)) == len(fresh)
 
 
+class _Keys(torch.utils.data.Dataset):
+    """``ds[key] == key``: what a DataLoader fetches is the sampler's own output."""
+
+    def __getitem__(self, key):
+        return key
+
+
+def _spans(batch):
+    return batch
+
+
+def test_sampler_resume_survives_repeated_iter_and_worker_dataloader():
+    """torch's multi-process DataLoader calls ``iter(batch_sampler)`` twice per
+    ``iter(loader)`` (``__init__`` and ``_reset``): every ``iter()`` after a load must
+    start at the loaded position until the epoch is finished or changed."""
+    kw = dict(cp_size=2, window=8, seed=5)
+    lengths = np.random.default_rng(1).integers(1, 50, size=80)
+    s = TokenBudgetBatchSampler(lengths, 40, **kw)
+    s.set_epoch(3)
+    full = list(s)
+    stop = len(full) // 2
+    fresh = TokenBudgetBatchSampler(lengths, 40, **kw)
+    fresh.load_state_dict({**s.state_dict(), "batches_consumed": stop})
+    fresh.set_epoch(3)
+    first, second = iter(fresh), iter(fresh)  # two iter() calls after a load agree
+    assert list(second) == full[stop:]
+    assert list(first) == full[stop:]
+    fresh.load_state_dict({**s.state_dict(), "batches_consumed": stop})
+    loader = DataLoader(_Keys(), batch_sampler=fresh, collate_fn=_spans, num_workers=2)
+    got = list(loader)
+    assert got == full[stop:]
+    assert fresh.state_dict(batches_consumed=len(got) + stop)["batches_consumed"] == len(full)
+    assert list(loader) == full  # the finished epoch starts afresh
+
+
 def test_sampler_epochs_differ_and_order_is_seeded():
     lengths = list(range(1, 200))
     s = TokenBudgetBatchSampler(lengths, 256, seed=1)

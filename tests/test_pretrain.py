@@ -33,8 +33,11 @@ def _resume_body(rank: int, world: int, tmp: str) -> None:
     # world 2: dp 1 x cp 2; dp 2 x cp 1 (per-rank sampler states); cp 2 with FSDP2 (DTensor
     # parameters and optimizer state through DCP, the GPU code path, here on gloo)
     # (with --seq-mode concat: 128-token windows of the document stream)
-    for cp, fsdp, mode in ((2, "off", "docs"), (1, "off", "docs"), (2, "on", "concat")):
-        common = TINY + ["--cp-size", str(cp), "--steps", "6", "--fsdp", fsdp, "--seq-mode", mode]
+    # (the first with 2 DataLoader workers, whose loader calls iter(batch_sampler) twice)
+    for cp, fsdp, mode, workers in ((2, "off", "docs", 2), (1, "off", "docs", 0),
+                                    (2, "on", "concat", 0)):
+        common = TINY + ["--cp-size", str(cp), "--steps", "6", "--fsdp", fsdp, "--seq-mode", mode,
+                         "--num-workers", str(workers)]
         cp = f"{cp}{fsdp}"
         full = main(common + ["--out-dir", f"{tmp}/full{cp}"])
         first = main(common + ["--out-dir", f"{tmp}/split{cp}", "--stop-at-step", "3"])
