@@ -28,7 +28,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint"]
+__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "has_checkpoints"]
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 
@@ -49,6 +49,11 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state(state["cuda"])
 
 
+def has_checkpoints(root: str) -> bool:
+    """Whether ``root`` holds any ``step_<N>`` directory (complete or not)."""
+    return os.path.isdir(root) and any(_STEP_DIR.match(d) for d in os.listdir(root))
+
+
 def latest_checkpoint(root: str) -> str | None:
     """Newest complete checkpoint directory under ``root`` (``None`` if there is none)."""
     if not os.path.isdir(root):
@@ -62,7 +67,8 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
                     scheduler, sampler_state: dict, keep: int = 0) -> str:
     """Collective: every rank calls it. Writes ``root/step_<step>`` and returns its path.
 
-    ``keep > 0`` deletes all but the newest ``keep`` complete checkpoints (rank 0).
+    ``keep > 0`` deletes all but ``keep`` complete checkpoints (rank 0): this one and
+    the newest ``keep - 1`` others.
     """
     rank = dist.get_rank()
     path = os.path.join(root, f"step_{step:08d}")
@@ -79,10 +85,11 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
     dist.barrier()
     dcp.save(state, checkpoint_id=path)
     dist.barrier()
-    if keep > 0 and rank == 0:
+    if keep > 0 and rank == 0:  # the one just written is always kept
         complete = sorted(d for d in os.listdir(root) if _STEP_DIR.match(d)
-                          and os.path.isfile(os.path.join(root, d, ".metadata")))
-        for d in complete[:-keep]:
+                          and os.path.isfile(os.path.join(root, d, ".metadata"))
+                          and d != os.path.basename(path))
+        for d in complete[:max(0, len(complete) - (keep - 1))]:
             shutil.rmtree(os.path.join(root, d), ignore_errors=True)
     return path
 

@@ -155,7 +155,9 @@ class TrainConfig:
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints, delete older ones (0 = keep all)."""
     resume: bool = False
-    """Resume from the newest checkpoint in out_dir/checkpoints (start fresh if there is none)."""
+    """Resume from the newest checkpoint in out_dir/checkpoints (start fresh if there is none); metrics.jsonl lines after the resumed step are dropped, then appended to."""
+    overwrite: bool = False
+    """Without --resume: delete the checkpoints and metrics.jsonl an earlier run left in out_dir (without this flag such an out_dir is an error)."""
     save_on_signal: bool = True
     """On SIGTERM / Ctrl-C, save a checkpoint before exiting."""
     tensorboard: bool = True

@@ -40,19 +40,30 @@ class MetricsLogger:
     Args:
         out_dir: run directory.
         enabled: False on ranks other than 0 (every method is then a no-op).
-        append: keep an existing metrics file (resume) instead of truncating it.
+        resume_step: ``None`` for a fresh run (the metrics file is created;
+            the caller has checked there is none to lose), else the step a
+            resumed run continues after: lines of later steps (logged after
+            that checkpoint) are dropped and the file is appended to.
         tensorboard: write TensorBoard events when ``tensorboard`` is importable.
         total_steps, start_step, progress: the tqdm bar (stderr).
     """
 
-    def __init__(self, out_dir: str, *, enabled: bool, append: bool, tensorboard: bool,
+    def __init__(self, out_dir: str, *, enabled: bool, resume_step: int | None, tensorboard: bool,
                  total_steps: int, start_step: int, progress: bool):
         self.enabled = enabled
         self._file = self._tb = self._bar = None
         if not enabled:
             return
         os.makedirs(out_dir, exist_ok=True)
-        self._file = open(os.path.join(out_dir, "metrics.jsonl"), "a" if append else "w")
+        path = os.path.join(out_dir, "metrics.jsonl")
+        if resume_step is not None and os.path.isfile(path):
+            with open(path) as f:
+                lines = f.readlines()
+            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
+            if len(kept) != len(lines):
+                with open(path, "w") as f:
+                    f.writelines(kept)
+        self._file = open(path, "a" if resume_step is not None else "w")
         if tensorboard:
             try:
                 from torch.utils.tensorboard import SummaryWriter

@@ -32,6 +32,7 @@ import datetime
 import json
 import math
 import os
+import shutil
 import signal
 import sys
 import time
@@ -42,7 +43,7 @@ import torch.distributed as dist
 from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import has_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
 from .config import ConfigError, OptimConfig, PretrainConfig, parse_args, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
 from .metrics import MetricsLogger, peak_memory_gib, peak_tflops
@@ -246,6 +247,35 @@ def _resolve(cfg: PretrainConfig, vocab_size: int) -> PretrainConfig:
     return cfg
 
 
+def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
+    """A fresh run (no ``--resume``) must not mix with an earlier run's files in out_dir.
+
+    Its checkpoints would be pruned and resumed from together with the new
+    ones (by step) and its metrics.jsonl truncated. With ``--overwrite`` rank 0
+    deletes them (and the TensorBoard events) first; otherwise ConfigError
+    (raised on every rank, which all see the same out_dir, before any heavy work).
+    """
+    if cfg.train.resume:
+        return
+    out = cfg.train.out_dir
+    ckpt_root, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
+    if cfg.train.overwrite:
+        if rank == 0:
+            shutil.rmtree(ckpt_root, ignore_errors=True)
+            shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
+            if os.path.isfile(metrics):
+                os.remove(metrics)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        return
+    found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
+                                      ("metrics.jsonl", os.path.isfile(metrics))) if there]
+    if found:
+        raise ConfigError(f"train.out_dir={out!r} holds {' and '.join(found)} of an earlier run: "
+                          "pass --resume to continue it, --overwrite to delete them first, "
+                          "or --out-dir for a new directory")
+
+
 # ------------------------------------------------------------------ main loop
 def run(cfg: PretrainConfig) -> dict:
     """Train with ``cfg`` inside an initialised process group (see :func:`main`).
@@ -259,6 +289,7 @@ def run(cfg: PretrainConfig) -> dict:
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     validate(cfg, world)
+    _prepare_out_dir(cfg, rank)
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
@@ -298,7 +329,8 @@ def run(cfg: PretrainConfig) -> dict:
     else:
         sampler.set_epoch(0)
 
-    log = MetricsLogger(cfg.train.out_dir, enabled=rank == 0, append=resume_from is not None,
+    log = MetricsLogger(cfg.train.out_dir, enabled=rank == 0,
+                        resume_step=step if cfg.train.resume else None,
                         tensorboard=cfg.train.tensorboard, total_steps=cfg.train.steps,
                         start_step=step, progress=cfg.train.progress)
     if rank == 0:

@@ -70,6 +70,41 @@ def test_nan_loss_names_the_step(tmp_path):
     assert not dist.is_initialized()  # the process group main created is destroyed
 
 
+def _metric_steps(out_dir) -> list[int]:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line)["step"] for line in f]
+
+
+def test_out_dir_of_another_run_needs_resume_or_overwrite(tmp_path):
+    """A fresh run into an out-dir holding another run's checkpoints fails fast (naming
+    --resume / --overwrite / --out-dir); --overwrite deletes them, so the new run's
+    checkpoint is the one kept and resumed from; metrics.jsonl is never silently truncated."""
+    out = ["--out-dir", str(tmp_path), "--keep-checkpoints", "1"]
+    main(TINY + ["--steps", "5"] + out)
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    with pytest.raises(ConfigError, match=r"train\.out_dir=.*--resume.*--overwrite.*--out-dir"):
+        main(TINY + ["--steps", "2"] + out)
+    assert (tmp_path / "metrics.jsonl").read_text() == metrics  # untouched
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000005"]
+    assert not dist.is_initialized()
+    main(TINY + ["--steps", "2", "--overwrite"] + out)
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000002"]
+    assert _metric_steps(tmp_path) == [1, 2]
+    resumed = main(TINY + ["--steps", "3", "--resume"] + out)
+    assert resumed["start_step"] == 2 and sorted(resumed["losses"]) == [3]
+
+
+def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path):
+    """Steps logged after the newest checkpoint (a crash before the next save) are
+    dropped from metrics.jsonl on resume, not duplicated."""
+    out = ["--out-dir", str(tmp_path), "--keep-checkpoints", "0", "--checkpoint-every", "2"]
+    main(TINY + ["--steps", "4", "--no-save-final"] + out)
+    assert _metric_steps(tmp_path) == [1, 2, 3, 4]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002"]
+    main(TINY + ["--steps", "4", "--resume"] + out)
+    assert _metric_steps(tmp_path) == [1, 2, 3, 4]
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--n-heads", "3"], "model.dim"),
     (["--n-kv-heads", "3"], "model.n_kv_heads"),
