@@ -33,7 +33,7 @@ run() {  # run <cp_size> <seq_len>
   mkdir -p runs
   local args=(--preset "$PRESET" --cp-size "$cp" --seq-mode concat --seq-len "$seq"
               --tokens-per-batch "$seq" --steps "$STEPS" --warmup-steps 5 --log-every 5
-              --no-progress --no-save-final --out-dir "runs/gpu_cp$cp" $EXTRA)
+              --no-progress --no-save-final --out-dir "runs/gpu_cp$cp" --overwrite $EXTRA)
   echo "=== cp_size $cp: $((seq * NPROC / cp)) tokens/step ($seq-token sequences), preset $PRESET ==="
   torchrun --standalone --nproc-per-node "$NPROC" -m cp_rope.launch.pretrain "${args[@]}" 2>&1 | tee "$log"
   local rc=${PIPESTATUS[0]}
