@@ -44,7 +44,15 @@ from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import has_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import ConfigError, OptimConfig, PretrainConfig, parse_args, to_dict, validate
+from .config import (
+    ConfigError,
+    OptimConfig,
+    PretrainConfig,
+    check_resume_config,
+    parse_args,
+    to_dict,
+    validate,
+)
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
 from .metrics import MetricsLogger, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params, flops_per_step
@@ -248,17 +256,23 @@ def _resolve(cfg: PretrainConfig, vocab_size: int) -> PretrainConfig:
 
 
 def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
-    """A fresh run (no ``--resume``) must not mix with an earlier run's files in out_dir.
+    """A resumed run must keep the checkpoint's config (:func:`check_resume_config`
+    against out_dir/config.json); a fresh run (no ``--resume``) must not mix with
+    an earlier run's files in out_dir.
 
     Its checkpoints would be pruned and resumed from together with the new
     ones (by step) and its metrics.jsonl truncated. With ``--overwrite`` rank 0
     deletes them (and the TensorBoard events) first; otherwise ConfigError
     (raised on every rank, which all see the same out_dir, before any heavy work).
     """
-    if cfg.train.resume:
-        return
     out = cfg.train.out_dir
     ckpt_root, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
+    if cfg.train.resume:
+        saved = os.path.join(out, "config.json")
+        if latest_checkpoint(ckpt_root) is not None and os.path.isfile(saved):
+            with open(saved) as f:
+                check_resume_config(json.load(f), cfg)
+        return
     if cfg.train.overwrite:
         if rank == 0:
             shutil.rmtree(ckpt_root, ignore_errors=True)
@@ -448,8 +462,9 @@ def main(argv: list[str] | None = None) -> dict:
 def _cli() -> None:
     try:
         summary = main()
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
+    except ConfigError as exc:  # every rank raises the same one: print it once
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
     if summary["interrupted"]:
         raise SystemExit(130)

@@ -17,7 +17,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 
 from cp_rope.launch import pretrain  # noqa: E402
-from cp_rope.launch.config import ConfigError, OptimConfig, build_parser, parse_args, validate  # noqa: E402
+from cp_rope.launch.config import (  # noqa: E402
+    ConfigError,
+    OptimConfig,
+    build_parser,
+    check_resume_config,
+    parse_args,
+    to_dict,
+    validate,
+)
 from cp_rope.launch.pretrain import lr_lambda, main  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -103,6 +111,24 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path):
     assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step_00000002"]
     main(TINY + ["--steps", "4", "--resume"] + out)
     assert _metric_steps(tmp_path) == [1, 2, 3, 4]
+
+
+def test_resume_with_a_changed_config_names_the_fields(tmp_path):
+    """--resume with other model shapes / data / layout fails before loading, naming every
+    field that differs; steps and logging may change (and the step count takes effect)."""
+    out = ["--out-dir", str(tmp_path)]
+    main(TINY + ["--steps", "2"] + out)
+    with pytest.raises(ConfigError, match=r"model\.dim: 32 .* 64.*data\.seq_len: 128 .* 256") as err:
+        main(TINY + ["--steps", "3", "--resume", "--dim", "64", "--seq-len", "256"] + out)
+    assert "n_layers" not in str(err.value) and "train.steps" not in str(err.value)
+    saved = to_dict(parse_args(TINY))
+    with pytest.raises(ConfigError, match=r"parallel\.cp_size: 1 .* 2.*train\.seed: 0 .* 1"):
+        check_resume_config(saved, parse_args(TINY + ["--cp-size", "2", "--seed", "1"]))
+    check_resume_config(saved, parse_args(TINY + ["--steps", "9", "--cp-method", "allgather"]))
+    with pytest.raises(ConfigError, match=r"optim\.lr"):  # the optimizer state would override it
+        main(TINY + ["--steps", "3", "--resume", "--lr", "1e-4"] + out)
+    resumed = main(TINY + ["--steps", "3", "--resume", "--log-every", "2", "--num-workers", "1"] + out)
+    assert resumed["start_step"] == 2 and sorted(resumed["losses"]) == [3]
 
 
 @pytest.mark.parametrize("argv, field", [
