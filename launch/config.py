@@ -100,9 +100,9 @@ class ParallelConfig:
     cp_method: Literal["ring", "allgather"] = "ring"
     """CP attention algorithm: ring (P2P K/V rotation) or allgather (K/V all-gather)."""
     attn_backend: Literal["auto", "flash_attn", "torch_cudnn", "torch_flash", "reference"] = "auto"
-    """Per-block attention kernel used by CP attention."""
+    """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
-    """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path."""
+    """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path; triton on cpu needs TRITON_INTERPRET=1."""
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks; auto = on for cuda, off (plain gradient all-reduce) on cpu."""
     timeout_s: int = 600
@@ -459,10 +459,25 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")
     _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0")
-    if t.device == "cuda":
-        import torch
+    import torch
 
+    if t.device == "cuda":
         _require(torch.cuda.is_available(), "train.device", t.device, "CUDA is not available")
+    on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+    if p.attn_backend in ("flash_attn", "torch_flash", "torch_cudnn"):
+        _require(on_cuda, "parallel.attn_backend", p.attn_backend,
+                 "needs CUDA (this run is on cpu); use auto or reference")
+        _require(t.dtype != "float32", "parallel.attn_backend", p.attn_backend,
+                 "runs float16/bfloat16 only; use --dtype auto/bfloat16, or auto or reference")
+    if p.attn_backend == "flash_attn":
+        import importlib.util
+
+        _require(importlib.util.find_spec("flash_attn") is not None, "parallel.attn_backend",
+                 p.attn_backend, "the flash_attn package is not installed")
+    if p.rope_backend == "triton" and not on_cuda:
+        _require(os.environ.get("TRITON_INTERPRET", "0") == "1", "parallel.rope_backend",
+                 p.rope_backend, "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on cpu "
+                 "(set before cp_rope is imported); use auto or torch")
     _require(not (t.device == "cpu" and t.dtype == "bfloat16"), "train.dtype", t.dtype,
              "bfloat16 training is for cuda; use float32 on cpu")
 

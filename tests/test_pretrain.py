@@ -148,6 +148,20 @@ def test_bad_config_names_the_field(argv, field):
     assert not dist.is_initialized()  # failed before any process group or data
 
 
+def test_backend_the_device_cannot_run_fails_at_config_time(monkeypatch, tmp_path):
+    """Kernels that need CUDA are refused on CPU before any process group or data; the
+    Triton RoPE kernel runs on CPU only under TRITON_INTERPRET=1."""
+    for backend in ("torch_flash", "torch_cudnn", "flash_attn"):
+        with pytest.raises(ConfigError, match=rf"parallel\.attn_backend='{backend}'.*CUDA"):
+            main(TINY + ["--device", "cpu", "--attn-backend", backend, "--out-dir", str(tmp_path)])
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match=r"parallel\.rope_backend='triton'.*TRITON_INTERPRET=1"):
+        main(TINY + ["--device", "cpu", "--rope-backend", "triton", "--out-dir", str(tmp_path)])
+    assert not dist.is_initialized()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    validate(parse_args(["--device", "cpu", "--rope-backend", "triton", "--attn-backend", "reference"]))
+
+
 def test_cp_size_must_divide_world():
     cfg = parse_args(["--cp-size", "3"])
     with pytest.raises(ConfigError, match=r"parallel.cp_size=3.*world size 4.*4 / 3"):
