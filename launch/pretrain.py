@@ -410,6 +410,7 @@ def run(cfg: PretrainConfig) -> dict:
                     metrics["mfu"] = flops / dt / (peak * 1e12 * world)
                 log.log(step, metrics)
                 log.write(f"step {step:>6}/{cfg.train.steps} | loss {loss_val:.4f} | lr {lr:.2e} | "
+                          f"grad norm {grad_norm:.3f} | "
                           f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{device.type} | "
                           + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
                           + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")

@@ -131,6 +131,14 @@ def test_resume_with_a_changed_config_names_the_fields(tmp_path):
     assert resumed["start_step"] == 2 and sorted(resumed["losses"]) == [3]
 
 
+def test_console_log(tmp_path, capsys):
+    """What a user reads: every log line has the gradient norm."""
+    main(TINY + ["--steps", "2", "--out-dir", str(tmp_path)])
+    out = capsys.readouterr().out
+    lines = [line for line in out.splitlines() if line.startswith("step")]
+    assert len(lines) == 2 and all(re.search(r"grad norm \d+\.\d+", line) for line in lines), out
+
+
 @pytest.mark.parametrize("argv, field", [
     (["--n-heads", "3"], "model.dim"),
     (["--n-kv-heads", "3"], "model.n_kv_heads"),
