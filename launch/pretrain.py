@@ -363,6 +363,7 @@ def run(cfg: PretrainConfig) -> dict:
     start_step, losses, interrupted = step, {}, 0
     window = torch.zeros(2, dtype=torch.float64)  # this rank's share of real tokens and sum of L^2
     total_tokens, t_total, t_window = 0.0, 0.0, time.perf_counter()
+    first_tokens, t_first = 0.0, 0.0
     model.train()
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
@@ -394,6 +395,8 @@ def run(cfg: PretrainConfig) -> dict:
             if step > start_step + 1:  # the first step (allocator, kernel set-up) is not timed
                 total_tokens += float(seq_lens.sum()) / dims.cp
                 t_total += time.perf_counter() - t0
+            else:  # ... unless it is the only one
+                first_tokens, t_first = float(seq_lens.sum()) / dims.cp, time.perf_counter() - t0
             log.advance(loss_val)
             if step % cfg.train.log_every == 0 or step == last:
                 sums = window.to(device)
@@ -428,7 +431,9 @@ def run(cfg: PretrainConfig) -> dict:
     summary = {"losses": losses, "start_step": start_step, "steps_run": step - start_step,
                "interrupted": bool(interrupted), "first_loss": losses.get(start_step + 1),
                "last_loss": losses.get(step)}
-    tps_all = torch.tensor([total_tokens, t_total], dtype=torch.float64, device=device)
+    only_first = step - start_step == 1  # no timed step: report the first, set-up included
+    tps_all = torch.tensor([first_tokens, t_first] if only_first else [total_tokens, t_total],
+                           dtype=torch.float64, device=device)
     if world > 1:
         dist.all_reduce(tps_all)
     summary["tokens_per_s"] = float(tps_all[0] / (tps_all[1] / world)) if tps_all[1] > 0 else float("nan")
@@ -437,7 +442,8 @@ def run(cfg: PretrainConfig) -> dict:
         log.write(f"done: steps {start_step + 1}..{step}: loss {summary['first_loss']:.4f} (first) -> "
                   f"{summary['last_loss']:.4f} (last; mean of the last {len(tail)}: "
                   f"{sum(tail) / len(tail):.4f}); {summary['tokens_per_s']:,.0f} tokens/s "
-                  f"({summary['tokens_per_s'] / world:,.0f} per rank), peak mem "
+                  f"({'1 step, set-up included; ' if only_first else ''}"
+                  f"{summary['tokens_per_s'] / world:,.0f} per rank), peak mem "
                   f"{peak_memory_gib(device):.2f} GiB")
     log.close()
     return summary
