@@ -36,6 +36,7 @@ import shutil
 import signal
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -303,6 +304,10 @@ def run(cfg: PretrainConfig) -> dict:
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     validate(cfg, world)
+    if rank == 0 and cfg.optim.warmup_steps > 0 and cfg.train.steps <= cfg.optim.warmup_steps:
+        warnings.warn(f"train.steps={cfg.train.steps} <= optim.warmup_steps={cfg.optim.warmup_steps}: "
+                      "the LR warms up for the whole run (the peak optim.lr is reached at most at "
+                      "the last step; no cosine decay); lower --warmup-steps", UserWarning, stacklevel=2)
     _prepare_out_dir(cfg, rank)
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (

@@ -138,7 +138,9 @@ def test_console_log(tmp_path, capsys):
     lines = [line for line in out.splitlines() if line.startswith("step")]
     assert len(lines) == 2 and all(re.search(r"grad norm \d+\.\d+", line) for line in lines), out
     # A 1-step run has no step after the (untimed) first one: still a number, labelled.
-    one = main(TINY + ["--steps", "1", "--out-dir", str(tmp_path / "one")])
+    with pytest.warns(UserWarning, match=r"train\.steps=1 <= optim\.warmup_steps=2") as caught:
+        one = main(TINY + ["--steps", "1", "--out-dir", str(tmp_path / "one")])
+    assert len([w for w in caught if "warmup" in str(w.message)]) == 1  # once
     out = capsys.readouterr().out
     assert one["tokens_per_s"] > 0 and "nan" not in out, out
     assert re.search(r"done: steps 1\.\.1: .*[\d,]+ tokens/s \(1 step, set-up included", out), out
