@@ -21,6 +21,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import sys
 import typing
 from dataclasses import dataclass, field
@@ -234,6 +235,15 @@ def preset(name: str) -> PretrainConfig:
 
 
 # --------------------------------------------------------- field docs / types
+_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
+_RST_LITERAL = re.compile(r"``?([^`]+)``?")
+
+
+def _plain(text: str | None) -> str | None:
+    """Docstring text without reStructuredText markup (roles, ``literals``) for ``--help``."""
+    return None if text is None else _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(r"\1", text))
+
+
 @functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
     """The docstring under each field of dataclass ``cls`` (parsed from its source)."""
@@ -244,7 +254,7 @@ def _field_docs(cls: type) -> dict[str, str]:
         if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
                 and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
                 and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = " ".join(nxt.value.value.split()).replace("%", "%%")
+            docs[node.target.id] = _plain(" ".join(nxt.value.value.split())).replace("%", "%%")
     return docs
 
 
@@ -342,13 +352,13 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         prog="torchrun --nproc-per-node N -m cp_rope.launch.pretrain",
         description="Long-context pretraining with context parallelism (DP x CP DeviceMesh). "
                     "Flags override the --config file, which overrides the --preset.",
-        epilog=epilog, formatter_class=_HelpFormatter)
+        epilog=_plain(epilog), formatter_class=_HelpFormatter)
     p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
                    help="named model/training preset")
     p.add_argument("--config", default=None, help="TOML or JSON file with [model], [data], [parallel], "
                    "[optim], [train] tables")
     for section, cls in _section_classes().items():
-        group = p.add_argument_group(section, cls.__doc__)
+        group = p.add_argument_group(section, _plain(cls.__doc__))
         docs = _field_docs(cls)
         defaults = cls()
         for f in dataclasses.fields(cls):
