@@ -240,8 +240,10 @@ _RST_LITERAL = re.compile(r"``?([^`]+)``?")
 
 
 def _plain(text: str | None) -> str | None:
-    """Docstring text without reStructuredText markup (roles, ``literals``) for ``--help``."""
-    return None if text is None else _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(r"\1", text))
+    """Docstring text without reStructuredText markup (roles, ``literals``, ``::``) for ``--help``."""
+    if text is None:
+        return None
+    return _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(r"\1", text)).replace("::\n", ":\n")
 
 
 @functools.cache

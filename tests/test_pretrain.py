@@ -221,6 +221,7 @@ def test_help_gives_units():
     assert "--cp-size" in text and "--tokens-per-batch" in text and "in tokens" in text
     assert "--rdzv-endpoint" in text  # the multi-node command line
     assert "`" not in text and not re.search(r":(mod|func|class|meth|data):", text)  # no raw RST
+    assert "::" not in text  # nor literal-block markers
     assert "see cp_rope.launch.model" in text and "cp_rope.parallel.cp_cross_entropy" in text
 
 
