@@ -167,7 +167,7 @@ class TrainConfig:
     peak_tflops: float = 0.0
     """Peak dense bf16 TFLOP/s of one GPU for MFU; 0 = from the device name (H100/H200/A100/B200)."""
     progress: bool = True
-    """Show a tqdm progress bar on rank 0."""
+    """Show a tqdm progress bar on rank 0 when stderr is a terminal (piped to a file: the log lines only)."""
 
 
 @dataclass(kw_only=True, slots=True)

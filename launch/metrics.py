@@ -45,7 +45,8 @@ class MetricsLogger:
             resumed run continues after: lines of later steps (logged after
             that checkpoint) are dropped and the file is appended to.
         tensorboard: write TensorBoard events when ``tensorboard`` is importable.
-        total_steps, start_step, progress: the tqdm bar (stderr).
+        total_steps, start_step, progress: the tqdm bar (stderr; shown only when
+            stderr is a terminal, since its carriage returns garble a log file).
     """
 
     def __init__(self, out_dir: str, *, enabled: bool, resume_step: int | None, tensorboard: bool,
@@ -71,7 +72,7 @@ class MetricsLogger:
                 pass
             else:
                 self._tb = SummaryWriter(os.path.join(out_dir, "tensorboard"))
-        if progress:
+        if progress and sys.stderr.isatty():  # piped to a file: the log lines only, no \r bar
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="pretrain", unit="step",

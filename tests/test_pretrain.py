@@ -132,9 +132,12 @@ def test_resume_with_a_changed_config_names_the_fields(tmp_path):
 
 
 def test_console_log(tmp_path, capsys):
-    """What a user reads: every log line has the gradient norm."""
-    main(TINY + ["--steps", "2", "--out-dir", str(tmp_path)])
-    out = capsys.readouterr().out
+    """What a user reads: every log line has the gradient norm; output piped to a file
+    (stderr not a TTY) gets no carriage-return progress bar."""
+    tiny = [a for a in TINY if a != "--no-progress"]
+    main(tiny + ["--steps", "2", "--out-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert "\r" not in out + err, err
     lines = [line for line in out.splitlines() if line.startswith("step")]
     assert len(lines) == 2 and all(re.search(r"grad norm \d+\.\d+", line) for line in lines), out
     # A 1-step run has no step after the (untimed) first one: still a number, labelled.
