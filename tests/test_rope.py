@@ -276,7 +276,7 @@ BAD = {
     "x_wrong_dtype": (TypeError, "x must be float32", dict(x=torch.randn(10, 2, 8).double())),
     "cos_sin_disagree": (ValueError, "cos and sin shapes disagree", dict(sin=torch.randn(32, 3))),
     "cos_wrong_rank": (ValueError, r"cos must be \[max_positions", dict(cos=torch.randn(32, 4, 1))),
-    "sin_int": (TypeError, "sin must be a floating", dict(sin=torch.zeros(32, 4, dtype=torch.int32))),
+    "sin_int": (TypeError, "sin must be float32", dict(sin=torch.zeros(32, 4, dtype=torch.int32))),
     "rotary_dim_too_large": (ValueError, "rotary_dim = 2 \\* cos.shape\\[1\\] = 10 exceeds head_dim",
                              dict(cos=torch.randn(32, 5), sin=torch.randn(32, 5))),
     "rotary_dim_zero": (ValueError, "rotary_dim", dict(cos=torch.randn(32, 0), sin=torch.randn(32, 0))),
