@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import torch
+
 from cp_rope.parallel import PackingCollator, shard_batch
 
 
