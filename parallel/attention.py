@@ -42,6 +42,7 @@ syncs), as does ``causal=False`` with ``seq_lens``. The backward adds none.
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Literal
 
@@ -148,6 +149,7 @@ def context_parallel_attention(
     be = get_backend(backend, q, cu_seqlens.numel() - 1)
     if cp_size > 1:
         _check_across_ranks(group, q, k, cu_seqlens, max_seqlen, causal, method, seq_lens)
+    max_seqlen = int(max_seqlen)  # numpy integers -> the plan's Python int
     scale = float(softmax_scale) if softmax_scale is not None else q.shape[-1] ** -0.5
     plan = _Plan(cu_seqlens, max_seqlen, q.shape[0], cp_size, cp_rank, causal, seq_lens,
                  method if cp_size > 1 else "ring", be.needs_host_segments)
@@ -180,8 +182,10 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, method
                          f"of shape {tuple(cu_seqlens.shape)}")
     if cu_seqlens.device != q.device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q on {q.device}")
-    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 0:
-        raise TypeError(f"max_seqlen must be a non-negative Python int, got {max_seqlen!r}")
+    if isinstance(max_seqlen, bool) or not isinstance(max_seqlen, numbers.Integral):
+        raise TypeError(f"max_seqlen must be an int (a host value), got {max_seqlen!r}")
+    if max_seqlen < 0:
+        raise ValueError(f"max_seqlen must be >= 0, got {max_seqlen}")
     if method not in _METHODS:
         raise ValueError(f"method must be one of {_METHODS}, got {method!r}")
     if softmax_scale is not None and not softmax_scale > 0:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
@@ -176,6 +177,10 @@ def test_bad_inputs():
         cpa(q, k, k, cu, 4)
     with pytest.raises(TypeError, match="max_seqlen"):
         cpa(q, k, k, cu, 8.0)
+    with pytest.raises(ValueError, match="max_seqlen must be >= 0"):
+        cpa(q, k, k, cu, -1)
+    # numpy integers are ints, as for cp_rope.apply_rotary_emb's max_seqlen
+    assert torch.equal(cpa(q, k, k, cu, np.int64(8)), cpa(q, k, k, cu, 8))
     with pytest.raises(ValueError, match="method"):
         cpa(q, k, k, cu, 8, method="tree")
     with pytest.raises(ValueError, match="backend='torch_flash' needs CUDA"):
