@@ -542,6 +542,8 @@ def test_sampler_state_resumes_across_numpy_int_settings():
     b = TokenBudgetBatchSampler([3, 4, 5, 9], np.int64(8), window=np.int64(4), seed=np.int64(3),
                                 dp_size=np.int64(2), dp_rank=np.int64(1))
     b.load_state_dict(a.state_dict())
+    twin = TokenBudgetBatchSampler([3, 4, 5, 9], 8, window=4, seed=3, dp_size=2, dp_rank=1)
+    assert list(b) == list(twin) and len(list(b)) > 0
 
 
 def test_bad_span_shape_and_type():
