@@ -216,7 +216,8 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
                   config: dict | None = None) -> None:
     """Launch the kernel: rotate q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k.
 
-    Any strides; ``out_q is q`` / ``out_k is k`` for in place. ``Hk`` may be 0.
+    Any strides; ``out_q is q and out_k is k`` (the same objects) for in place. ``Hk``
+    may be 0.
     cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
     cu_seqlens int32 ``[B + 1]``. Arguments are assumed checked by the caller.
     ``config``: :func:`launch_config` overrides (tuning scripts only).
@@ -229,7 +230,9 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
     if n_tokens == 0 or n_heads_q + n_heads_k == 0:
         return
     rotary_dim = 2 * cos.shape[1]
-    inplace = out_q.data_ptr() == q.data_ptr()
+    # identity, not data_ptr(): every empty tensor (say q with 0 heads) has pointer 0, and
+    # treating out-of-place as in place would skip copying k's pass-through dims
+    inplace = out_q is q and out_k is k
     grid, heads_per_prog, meta = launch_config(
         n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
         interleaved=interleaved, conjugate=conjugate, inplace=inplace, **(config or {}))

@@ -142,6 +142,21 @@ def test_every_row_and_dim_written(backend, cu_list):
         assert_close(out, rope_reference(x, cos, sin, cu), name="out")
 
 
+def test_zero_q_heads_still_writes_k_pass_through_dims():
+    """q with 0 heads (its storage pointer is 0, like any empty tensor's): k's
+    pass-through dims are still copied into a poisoned out_k (the launcher once
+    took out_q.data_ptr() == q.data_ptr() for in place and skipped the copy)."""
+    gen = torch.Generator().manual_seed(11)
+    dev = device_for("triton")
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32, device=dev)
+    q, k = thd(gen, 11, 0, 16, torch.float32, device=dev), thd(gen, 11, 2, 16, torch.float32, device=dev)
+    cos, sin = rope_cache(16, 8, device=dev)
+    out_q, out_k = torch.empty_like(q), poison_(torch.empty_like(k))
+    rotary_triton(q, k, out_q, out_k, cos, sin, cu, 1, 0, False, False)
+    assert torch.equal(out_k[:, :, 8:], k[:, :, 8:])
+    assert_close(out_k, rope_reference(k, cos, sin, cu), name="k_out")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_gqa_one_launch_equals_two(backend):
     gen = torch.Generator().manual_seed(2)
