@@ -263,32 +263,46 @@ def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
 
     Its checkpoints would be pruned and resumed from together with the new
     ones (by step) and its metrics.jsonl truncated. With ``--overwrite`` rank 0
-    deletes them (and the TensorBoard events) first; otherwise ConfigError
-    (raised on every rank, which all see the same out_dir, before any heavy work).
+    deletes them (and the TensorBoard events) first; otherwise ConfigError,
+    decided on rank 0 (before this run writes anything) and raised on every
+    rank, before any heavy work.
     """
     out = cfg.train.out_dir
     ckpt_root, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
-    if cfg.train.resume:
-        saved = os.path.join(out, "config.json")
-        if latest_checkpoint(ckpt_root) is not None and os.path.isfile(saved):
-            with open(saved) as f:
-                check_resume_config(json.load(f), cfg)
-        return
-    if cfg.train.overwrite:
+    multi = dist.is_initialized() and dist.get_world_size() > 1
+    if cfg.train.overwrite and not cfg.train.resume:
         if rank == 0:
             shutil.rmtree(ckpt_root, ignore_errors=True)
             shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
             if os.path.isfile(metrics):
                 os.remove(metrics)
-        if dist.is_initialized() and dist.get_world_size() > 1:
+        if multi:
             dist.barrier()
         return
-    found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
-                                      ("metrics.jsonl", os.path.isfile(metrics))) if there]
-    if found:
-        raise ConfigError(f"train.out_dir={out!r} holds {' and '.join(found)} of an earlier run: "
-                          "pass --resume to continue it, --overwrite to delete them first, "
-                          "or --out-dir for a new directory")
+    # Rank 0 decides and every rank raises the same error: a rank that looks later
+    # would otherwise see the files rank 0 has started writing for this very run.
+    error: list[str | None] = [None]
+    if rank == 0:
+        try:
+            if cfg.train.resume:
+                saved = os.path.join(out, "config.json")
+                if latest_checkpoint(ckpt_root) is not None and os.path.isfile(saved):
+                    with open(saved) as f:
+                        check_resume_config(json.load(f), cfg)
+            else:
+                found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
+                                                  ("metrics.jsonl", os.path.isfile(metrics))) if there]
+                if found:
+                    raise ConfigError(
+                        f"train.out_dir={out!r} holds {' and '.join(found)} of an earlier run: "
+                        "pass --resume to continue it, --overwrite to delete them first, "
+                        "or --out-dir for a new directory")
+        except ConfigError as exc:
+            error[0] = str(exc)
+    if multi:
+        dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
 
 
 # ------------------------------------------------------------------ main loop
