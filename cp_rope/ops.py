@@ -19,7 +19,7 @@ import os
 
 import torch
 
-from cp_rope.positions import check_cp_args
+from cp_rope.positions import check_cp_args, check_cu_seqlens_content, content_checks_enabled
 from cp_rope.reference import rotary_torch
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_qk", "resolve_backend"]
@@ -46,38 +46,11 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def _debug() -> bool:
-    return os.environ.get("CP_ROPE_DEBUG", "0") not in ("", "0")
-
-
-def _check_cu_seqlens_content(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int,
-                              n_positions: int) -> None:
-    """Value checks of cu_seqlens (read on the host: always for CPU tensors,
-    with ``CP_ROPE_DEBUG=1`` for device tensors, which syncs)."""
-    cu = cu_seqlens.to("cpu", torch.int64)
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
-    lens = cu[1:] - cu[:-1]
-    if bool((lens < 0).any()):
-        b = int(torch.nonzero(lens < 0)[0])
-        raise ValueError(f"cu_seqlens must be non-decreasing; cu_seqlens[{b + 1}] < cu_seqlens[{b}]")
-    if int(cu[-1]) > n_tokens:
-        raise ValueError(f"cu_seqlens[-1] = {int(cu[-1])} exceeds the number of tokens T = {n_tokens}")
-    if cp_size > 1 and bool((lens % 2 != 0).any()):
-        b = int(torch.nonzero(lens % 2 != 0)[0])
-        raise ValueError(f"cu_seqlens: with cp_size={cp_size} every local sequence length must be "
-                         f"even (two CP chunks); sequence {b} has {int(lens[b])}")
-    longest = int(lens.max()) if lens.numel() else 0
-    if cp_size * longest > n_positions:
-        raise ValueError(f"cu_seqlens: the longest local sequence ({longest} rows, global length "
-                         f"{cp_size * longest} with cp_size={cp_size}) needs positions beyond the "
-                         f"cos/sin cache ({n_positions} rows)")
-
-
 def _rotary_impl(q, k, out_q, out_k, cos, sin, cu_seqlens, cp_size, cp_rank, interleaved,
                  conjugate, backend):
-    if cu_seqlens.device.type == "cpu" or _debug():
-        _check_cu_seqlens_content(cu_seqlens, q.shape[0], cp_size, cos.shape[0])
+    if content_checks_enabled(cu_seqlens):
+        check_cu_seqlens_content(cu_seqlens, n_tokens=q.shape[0], cp_size=cp_size,
+                                 n_positions=cos.shape[0])
     if backend == "triton":
         from cp_rope.kernel import rotary_triton  # Triton is only needed for this backend
 

@@ -43,13 +43,12 @@ syncs), as does ``causal=False`` with ``seq_lens``. The backward adds none.
 from __future__ import annotations
 
 import numbers
-import os
 from typing import Literal
 
 import torch
 import torch.distributed as dist
 
-from cp_rope.positions import global_positions
+from cp_rope.positions import check_cu_seqlens_content, content_checks_enabled, global_positions
 
 from . import _compat
 from ._blocks import NEG_INF, Block, get_backend, merge_weights
@@ -141,7 +140,9 @@ def context_parallel_attention(
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     else:
         group, cp_size, cp_rank = None, 1, 0
-    _check_cu_content(cu_seqlens, q.shape[0], max_seqlen, cp_size)
+    if content_checks_enabled(cu_seqlens):
+        check_cu_seqlens_content(cu_seqlens, n_tokens=q.shape[0], cp_size=cp_size,
+                                 max_seqlen=int(max_seqlen))
     if not causal and seq_lens is None and cp_size > 1:
         raise ValueError(
             "seq_lens: causal=False with cp_size > 1 needs the true global lengths to mask the "
@@ -198,24 +199,6 @@ def _check_inputs(q, k, v, cu_seqlens, max_seqlen, causal, softmax_scale, method
                 or seq_lens.shape != (cu_seqlens.numel() - 1,):
             raise ValueError(f"seq_lens must be an integer tensor [B] = [{cu_seqlens.numel() - 1}], "
                              f"got {getattr(seq_lens, 'shape', seq_lens)}")
-
-
-def _check_cu_content(cu, n_rows, max_seqlen, cp_size):
-    if cu.device.type != "cpu" and os.environ.get("CP_ROPE_DEBUG", "0") != "1":
-        return
-    lens = cu[1:] - cu[:-1]
-    if int(cu[0]) != 0:
-        raise ValueError(f"cu_seqlens[0] must be 0, got {int(cu[0])}")
-    if bool((lens < 0).any()):
-        raise ValueError("cu_seqlens must be non-decreasing")
-    if int(cu[-1]) > n_rows:
-        raise ValueError(f"cu_seqlens[-1] = {int(cu[-1])} exceeds the {n_rows} rows of q")
-    if lens.numel() and int(lens.max()) > max_seqlen:
-        raise ValueError(f"max_seqlen = {max_seqlen} is below the longest local sequence "
-                         f"({int(lens.max())})")
-    if cp_size > 1 and bool((lens % 2 != 0).any()):
-        raise ValueError(f"cu_seqlens: with cp_size={cp_size} every local length must be even "
-                         "(two zigzag chunks)")
 
 
 def _check_across_ranks(group, q, k, cu, max_seqlen, causal, method, seq_lens):
