@@ -332,7 +332,7 @@ class _Plan:
                                          output_size=n)
         counts = torch.zeros(C, lens.numel(), dtype=torch.int64, device=cu.device)
         for p in range(C):
-            real = global_positions(cu, C, p) < seq_lens[seq_id]
+            real = global_positions(cu_seqlens, C, p) < seq_lens[seq_id]
             counts[p].index_add_(0, seq_id, real.to(torch.int64))
         return counts
 

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from cp_rope.positions import check_cp_args, global_positions
+from cp_rope.positions import global_positions
+from cp_rope.validation import check_cp_args, check_cu_seqlens, check_cu_seqlens_content
 
 if TYPE_CHECKING:
     from .packing import PackedBatch
@@ -28,25 +29,22 @@ def local_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
     """Local cu_seqlens of every rank: the *global* cu_seqlens divided by ``cp_size``.
 
     Args:
-        cu_seqlens: int32/int64 ``[B + 1]`` global cumulative lengths; every
-            sequence length must be divisible by ``2 * cp_size``.
+        cu_seqlens: int32 ``[B + 1]`` global cumulative lengths (starting at
+            0, non-decreasing); every sequence length must be divisible by
+            ``2 * cp_size``.
         cp_size: CP degree.
 
     Returns: same dtype and device, ``[B + 1]``.
 
     Raises:
-        TypeError: ``cu_seqlens`` is not an int32/int64 tensor; cp_size not an int.
-        ValueError: ``cu_seqlens`` not 1-D, or a global length not divisible
-            by ``2 * cp_size``.
+        TypeError: ``cu_seqlens`` is not an int32 tensor; cp_size not an int.
+        ValueError: ``cu_seqlens`` not 1-D, not starting at 0, decreasing, or
+            a global length not divisible by ``2 * cp_size``
+            (:mod:`cp_rope.validation`).
     """
-    check_cp_args(cp_size, 0)
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in (torch.int32, torch.int64):
-        raise TypeError(f"cu_seqlens must be int32 or int64, got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
-        raise ValueError(f"cu_seqlens must be 1-D with at least one entry, got shape "
-                         f"{tuple(cu_seqlens.shape)}")
+    cp_size, _ = check_cp_args(cp_size, 0)
+    check_cu_seqlens(cu_seqlens)
+    check_cu_seqlens_content(cu_seqlens)
     lens = cu_seqlens[1:] - cu_seqlens[:-1]
     if cp_size > 1 and bool((lens % (2 * cp_size) != 0).any()):
         bad = int(torch.nonzero(lens % (2 * cp_size) != 0)[0])
@@ -60,7 +58,7 @@ def cp_shard_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
     """Global row indices kept by ``cp_rank``, in local order.
 
     Args:
-        cu_seqlens: int32/int64 ``[B + 1]`` *global* cumulative lengths, each
+        cu_seqlens: int32 ``[B + 1]`` *global* cumulative lengths, each
             length divisible by ``2 * cp_size``. Rows at or beyond
             ``cu_seqlens[-1]`` belong to no sequence and are not sharded.
         cp_size: CP degree ``C``.
@@ -74,11 +72,11 @@ def cp_shard_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
     Raises: TypeError/ValueError naming the argument (see :func:`local_cu_seqlens`
     and :func:`cp_rope.global_positions`).
     """
-    check_cp_args(cp_size, cp_rank)
-    local_cu = local_cu_seqlens(cu_seqlens, cp_size).to(torch.int64)
+    cp_size, cp_rank = check_cp_args(cp_size, cp_rank)
+    local_cu = local_cu_seqlens(cu_seqlens, cp_size)
     cu = cu_seqlens.to(torch.int64)
     pos = global_positions(local_cu, cp_size, cp_rank)
-    lens = local_cu[1:] - local_cu[:-1]
+    lens = (local_cu[1:] - local_cu[:-1]).to(torch.int64)
     starts = torch.repeat_interleave(cu[:-1], lens, output_size=pos.numel())
     return starts + pos
 
@@ -91,7 +89,7 @@ def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_ran
         x: ``[..., T, ...]`` global rows along ``dim`` (any dtype and device),
             ``T >= cu_seqlens[-1]``; rows from ``cu_seqlens[-1]`` on (trailing
             padding) belong to no sequence and are not kept.
-        cu_seqlens: int32/int64 ``[B + 1]`` *global* cu_seqlens, every length
+        cu_seqlens: int32 ``[B + 1]`` *global* cu_seqlens, every length
             divisible by ``2 * cp_size``.
         cp_size, cp_rank: CP degree ``C`` and this rank.
         dim: the token dimension of ``x``.
@@ -171,21 +169,22 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
     dropped. Not differentiable. Collective: every rank of ``group`` must call
     it; a missing rank fails after the group's timeout.
 
-    Raises: TypeError if ``local`` or ``cu_seqlens`` is not a tensor; ValueError if ``local`` has
-    fewer rows than ``cu_seqlens[-1]`` or a local length is odd (with ``C > 1``).
+    Raises: TypeError if ``local`` is not a tensor or ``cu_seqlens`` not an int32 tensor;
+    ValueError if ``cu_seqlens`` is not 1-D, does not start at 0 or decreases, ``local`` has
+    fewer rows than ``cu_seqlens[-1]``, or a local length is odd (with ``C > 1``).
     """
     if not isinstance(local, torch.Tensor):
         raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be a torch.Tensor, got {type(cu_seqlens).__name__}")
+    check_cu_seqlens(cu_seqlens)
     cp_size = dist.get_world_size(group) if dist.is_initialized() else 1
+    check_cu_seqlens_content(cu_seqlens, cp_size=cp_size)
     n_local = int(cu_seqlens[-1])
     if local.shape[0] < n_local:
         raise ValueError(f"local: {local.shape[0]} rows but cu_seqlens[-1] = {n_local}")
     local = local[:n_local].contiguous()
     if cp_size == 1:
         return local.clone()
-    global_cu = cu_seqlens.to(torch.int64) * cp_size
+    global_cu = cu_seqlens * cp_size
     # Validate before the collective, so bad input fails on every rank alike.
     dest = torch.cat([cp_shard_indices(global_cu, cp_size, r) for r in range(cp_size)])
     parts = [torch.empty_like(local) for _ in range(cp_size)]
