@@ -9,3 +9,10 @@
 * :mod:`cp_rope.launch.metrics`: rank-0 logging, MFU peak table.
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.
 """
+
+if __name__ != "cp_rope.launch":
+    # This folder is installed as cp_rope.launch (pyproject.toml's package-dir). Imported
+    # as the top-level "launch" it would be a second copy with its own classes.
+    raise ImportError(
+        f"{__name__!r} is the folder of cp_rope.launch: import cp_rope.launch (after "
+        f"`pip install -e .` or scripts/setup.sh), never the top-level name 'launch'")

@@ -8,6 +8,13 @@ from __future__ import annotations
 
 import importlib
 
+if __name__ != "cp_rope.parallel":
+    # This folder is installed as cp_rope.parallel (pyproject.toml's package-dir). Imported
+    # as the top-level "parallel" it would be a second copy with its own classes.
+    raise ImportError(
+        f"{__name__!r} is the folder of cp_rope.parallel: import cp_rope.parallel (after "
+        f"`pip install -e .` or scripts/setup.sh), never the top-level name 'parallel'")
+
 _EXPORTS = {
     # packing
     "PackedBatch": "packing",
