@@ -29,11 +29,11 @@ backward is 2.5 forwards), divided by ``cp_size`` GPUs; scaling efficiency
 gradients included) and its ratio to the cp_size 1 run of the same backend
 family.
 
-Usage (repository root; the package need not be installed)::
+Usage (after `bash scripts/setup.sh`, or `pip install --no-deps --no-build-isolation -e .`)::
 
-    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
-    PYTHONPATH=. torchrun --nproc-per-node 4 scripts/bench_cp_attention.py --tokens 262144 --out bench_out
-    PYTHONPATH=. torchrun --nproc-per-node 1 scripts/bench_cp_attention.py   # cp_size 1 only
+    torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
+    torchrun --nproc-per-node 4 scripts/bench_cp_attention.py --tokens 262144 --out bench_out
+    torchrun --nproc-per-node 1 scripts/bench_cp_attention.py   # cp_size 1 only
 
 Rank 0 prints a markdown table and writes it to ``<out>/cp_attention_cp<W>.md``.
 """
@@ -51,8 +51,6 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from cp_rope.parallel import context_parallel_attention  # noqa: E402
 from cp_rope.parallel._compat import flash_attn_available  # noqa: E402
@@ -225,7 +223,7 @@ def format_report(args, world, layouts, rows, peaks, elapsed, out_dir) -> str:
         f"### CP attention, {args.tokens} tokens, Hq {args.heads}, Hkv {args.kv_heads}, "
         f"head_dim {args.head_dim}, bf16, causal, {world} GPU(s)",
         "",
-        f"Command: `PYTHONPATH=. torchrun --nproc-per-node {world} scripts/bench_cp_attention.py "
+        f"Command: `torchrun --nproc-per-node {world} scripts/bench_cp_attention.py "
         f"--tokens {args.tokens} --doc-len {args.doc_len}`  ",
         f"Hardware: {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}, "
         f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "

@@ -3,7 +3,7 @@
 Collates a 131072-token batch of about 1000 documents (random lengths, fixed
 seed) and shards it for every CP rank. Targets: collate < 20 ms, shard < 5 ms.
 
-    PYTHONPATH=. python scripts/bench_packing.py [--tokens 131072] [--docs 1000] \
+    python scripts/bench_packing.py [--tokens 131072] [--docs 1000] \
         [--cp-size 8] [--repeats 50]
 
 Prints one line per measurement: median and min over ``--repeats`` runs, in ms.

@@ -21,9 +21,9 @@ inside the timed region, as a training step would):
 Before timing, every implementation is checked against the PyTorch reference
 (outputs poisoned with NaN first for cp_rope).
 
-Usage (repository root; the package need not be installed)::
+Usage (after `bash scripts/setup.sh`, or `pip install --no-deps --no-build-isolation -e .`)::
 
-    PYTHONPATH=. python scripts/bench_rope.py --out docs
+    python scripts/bench_rope.py --out docs
 
 writes ``bench_rope.md`` (a "## RoPE kernel (GPU)" section for
 docs/benchmarks.md: command, hardware, table, targets), ``bench_rope.png`` and
@@ -41,9 +41,6 @@ import sys
 import time
 
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import triton  # noqa: E402
 from triton.testing import do_bench  # noqa: E402
 
@@ -342,7 +339,7 @@ def report(rows, copy_tbs, args, seconds):
         hw = f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
     lines = [
         "## RoPE kernel (GPU)", "",
-        f"Command: `PYTHONPATH=. python scripts/bench_rope.py {' '.join(sys.argv[1:])}`  ",
+        f"Command: `python scripts/bench_rope.py {' '.join(sys.argv[1:])}`  ",
         f"Hardware: {hw}, torch {torch.__version__}, "
         f"triton {triton.__version__}, Python {platform.python_version()}, cp_rope {cp_rope.__version__}  ",
         f"Local T = {args.tokens}, bf16, head_dim {HEAD_DIM}; case (a) one tensor of 32 heads, "

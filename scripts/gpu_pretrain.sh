@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU pretraining benchmark + parity check (2 GPUs, NCCL, bf16 via FSDP2 mixed precision).
-# Run from the repository root (no install needed; PYTHONPATH=. is set here):
+# Run from the repository root (installs cp-rope editable, without network, if it is not yet):
 #
 #   bash scripts/gpu_pretrain.sh            # ~4 minutes on 2 x H200
 #
@@ -19,7 +19,9 @@
 # Dry run of the script's logic on a CPU machine: PRESET=tiny SEQ=2048 STEPS=3 bash scripts/gpu_pretrain.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python -c "import cp_rope.parallel, cp_rope.launch" 2>/dev/null \
+  || python -m pip install -q --no-deps --no-build-isolation -e . \
+  || { echo "gpu_pretrain: cannot install cp-rope (pip install -e .)" >&2; exit 1; }
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 STEPS=${STEPS:-10}
 NPROC=${NPROC:-2}

@@ -6,7 +6,7 @@ tokens, bf16, head_dim 128: (a) one tensor of 32 heads, (b) q 32 + k 8 heads,
 each with 1 sequence and with 4096 skewed sequences, and prints the % of a
 device-to-device copy measured in the same run, best first.
 
-    PYTHONPATH=. python scripts/sweep_rope.py [--out DIR]
+    python scripts/sweep_rope.py [--out DIR]
 """
 
 from __future__ import annotations
