@@ -26,6 +26,7 @@ import numbers
 import os
 from collections.abc import Iterable
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -56,11 +57,12 @@ def check_int(name: str, value, *, min_value: int | None = None) -> int:
 
 
 def check_bool(name: str, value) -> bool:
-    """``value`` if it is a Python ``bool``; ``TypeError`` otherwise (``0``/``1``/``'no'``
-    are refused: a truthy string must not switch a feature on)."""
-    if not isinstance(value, bool):
+    """``value`` as a Python ``bool`` if it is a ``bool`` (or a numpy bool); ``TypeError``
+    otherwise (``0``/``1``/``'no'`` are refused: a truthy string must not switch a
+    feature on)."""
+    if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
-    return value
+    return bool(value)
 
 
 def check_choice(name: str, value, choices: Iterable[str]) -> str:

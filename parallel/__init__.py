@@ -16,13 +16,13 @@ if __name__ != "cp_rope.parallel":
         f"`pip install -e .` or scripts/setup.sh), never the top-level name 'parallel'")
 
 _EXPORTS = {
-    # packing
-    "PackedBatch": "packing",
-    "PackingCollator": "packing",
-    "TokenBudgetBatchSampler": "packing",
-    "pack_iterable": "packing",
-    "PackedIterableDataset": "packing",
-    "SpanDataset": "packing",
+    # the data pipeline
+    "PackedBatch": "batch",
+    "PackingCollator": "collator",
+    "TokenBudgetBatchSampler": "sampler",
+    "SpanDataset": "sampler",
+    "pack_iterable": "streaming",
+    "PackedIterableDataset": "streaming",
     # zigzag CP split
     "cp_shard_indices": "sharding",
     "shard_tensor": "sharding",

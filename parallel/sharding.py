@@ -11,7 +11,6 @@ tokens; rank ``r`` keeps chunk ``r`` then chunk ``2 * cp_size - 1 - r``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -19,8 +18,7 @@ import torch.distributed as dist
 from cp_rope.positions import global_positions
 from cp_rope.validation import check_cp_args, check_cu_seqlens, check_cu_seqlens_content
 
-if TYPE_CHECKING:
-    from .packing import PackedBatch
+from .batch import PackedBatch
 
 __all__ = ["cp_shard_indices", "shard_tensor", "shard_batch", "unshard", "local_cu_seqlens"]
 
@@ -125,8 +123,6 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
             trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
             divisible by ``2 * cp_size``; ``cp_rank`` out of range.
     """
-    from .packing import PackedBatch  # noqa: PLC0415 (packing imports this module)
-
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
     check_cp_args(cp_size, cp_rank)
