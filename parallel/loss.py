@@ -23,6 +23,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from cp_rope.validation import (
+    check_cu_seqlens,
+    check_cu_seqlens_content,
+    check_int,
+    content_checks_enabled,
+)
+
 __all__ = ["cp_cross_entropy"]
 
 
@@ -42,7 +49,8 @@ class _GroupMean(torch.autograd.Function):
 
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                      group: dist.ProcessGroup | None = None, *,
-                     ignore_index: int = -100) -> torch.Tensor:
+                     ignore_index: int = -100, cu_seqlens: torch.Tensor | None = None,
+                     ) -> torch.Tensor:
     """Mean next-token cross-entropy over every non-ignored label of ``group``.
 
     Args:
@@ -54,6 +62,12 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
             dp x cp group (default: the world when ``torch.distributed`` is
             initialised, else this process alone).
         ignore_index: label value to skip.
+        cu_seqlens: optional, the batch's *local* int32 ``[B + 1]`` cu_seqlens
+            (``PackedBatch.cu_seqlens``). The loss does not depend on it; when
+            given it is validated like everywhere else (:mod:`cp_rope.validation`:
+            dtype and shape always, content for CPU tensors or with
+            ``CP_ROPE_DEBUG=1``) and must end at most at ``T``, which catches
+            logits or labels of another batch.
 
     Returns:
         0-dim tensor in the compute dtype: the same value on every rank of
@@ -62,8 +76,10 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
         docstring): gradients must be **summed** over ``group``.
 
     Raises:
-        ValueError: shapes that do not match (naming the argument).
-        TypeError: non-integer labels or non-float logits.
+        ValueError: shapes that do not match, or a bad ``cu_seqlens`` (not 1-D,
+            not starting at 0, decreasing, ending beyond ``T``), naming the argument.
+        TypeError: non-integer labels or ``ignore_index``, non-float logits,
+            ``cu_seqlens`` not an int32 tensor.
 
     Cost: one all-reduce of two float64 scalars (the loss sum and the count).
     """
@@ -76,6 +92,11 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                          f"got shape {tuple(labels.shape)}")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    ignore_index = check_int("ignore_index", ignore_index)
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, device=labels.device)
+        if content_checks_enabled(cu_seqlens):
+            check_cu_seqlens_content(cu_seqlens, n_tokens=labels.shape[0])
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
                                 reduction="sum")

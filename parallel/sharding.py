@@ -118,14 +118,18 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     ``cp_size``); ``seq_lens`` (true global lengths) is shared, not copied.
 
     Raises:
-        TypeError: ``batch`` is not a PackedBatch; cp args not ints.
-        ValueError: the batch is already a shard (``batch.cp_size != 1``), has
+        TypeError: ``batch`` is not a PackedBatch; cp args not ints;
+            ``batch.cu_seqlens`` not an int32 tensor.
+        ValueError: ``batch.cu_seqlens`` not 1-D, not starting at 0 or
+            decreasing; the batch is already a shard (``batch.cp_size != 1``), has
             trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
             divisible by ``2 * cp_size``; ``cp_rank`` out of range.
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
-    check_cp_args(cp_size, cp_rank)
+    cp_size, cp_rank = check_cp_args(cp_size, cp_rank)
+    check_cu_seqlens(batch.cu_seqlens, name="batch.cu_seqlens")
+    check_cu_seqlens_content(batch.cu_seqlens, name="batch.cu_seqlens")
     if batch.cp_size != 1:
         raise ValueError(f"batch: already a shard (cp_size={batch.cp_size}, "
                          f"cp_rank={batch.cp_rank}); shard the global batch")
