@@ -8,6 +8,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from cp_rope.validation import check_int
+
 __all__ = ["ParallelDims"]
 
 
@@ -30,20 +32,23 @@ class ParallelDims:
 
     def __post_init__(self) -> None:
         for name in ("dp", "cp", "world_size"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"ParallelDims.{name} must be an int >= 1, got {value!r}")
+            # TypeError for a non-int, ValueError below 1 (cp_rope.validation).
+            object.__setattr__(self, name, check_int(f"ParallelDims.{name}", getattr(self, name),
+                                                     min_value=1))
         if self.dp * self.cp != self.world_size:
             raise ValueError(f"ParallelDims: dp * cp must equal world_size, got dp={self.dp} x "
                              f"cp={self.cp} = {self.dp * self.cp} != world_size={self.world_size}")
 
     @classmethod
     def from_world(cls, cp: int, world_size: int | None = None) -> ParallelDims:
-        """dp = world_size / cp. Raises ValueError with the arithmetic when cp does not divide it."""
+        """dp = world_size / cp.
+
+        Raises: TypeError if cp is not an int; ValueError if it is below 1 or
+        does not divide the world size (with the arithmetic).
+        """
         if world_size is None:
             world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if isinstance(cp, bool) or not isinstance(cp, int) or cp < 1:
-            raise ValueError(f"cp_size must be an int >= 1, got {cp!r}")
+        cp = check_int("cp_size", cp, min_value=1)
         if world_size % cp != 0:
             raise ValueError(f"cp_size={cp} must divide the world size {world_size}: "
                              f"dp = {world_size} / {cp} = {world_size / cp:g} is not an integer")
