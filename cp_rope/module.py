@@ -17,12 +17,16 @@ __all__ = ["RotaryEmbedding"]
 class RotaryEmbedding(nn.Module):
     """RoPE for packed THD q/k with the CP position formula.
 
-    Owns float32 cos/sin buffers ``[max_positions, rotary_dim // 2]`` (not
-    persistent: rebuilt from the arguments; they get no gradient). ``.to()``,
-    ``.cuda()`` and friends move them but never cast them: ``model.bfloat16()``
-    keeps the tables in float32, since bf16 angles are wrong by whole radians
-    at long positions. ``forward(q, k, cu_seqlens, ...)`` calls
-    :func:`cp_rope.apply_rotary_emb_qk` (one kernel launch for q and k).
+    Owns float32 cos/sin tables ``[max_positions, rotary_dim // 2]``
+    (:attr:`cos`, :attr:`sin`), built by :func:`cp_rope.rope_cache` on
+    ``device``. They are a cache, as in flash-attn's ``RotaryEmbedding``, not
+    buffers: no ``state_dict`` entry, no gradient, and module casts
+    (``model.bfloat16()``, ``.to(dtype)``) never reach them, since bf16 angles
+    are wrong by whole radians at long positions. ``.to(device)`` does not move
+    them either: ``forward`` uses tables on the inputs' device, moving the
+    cache there once on first use (one copy per device change, then reused).
+    ``forward(q, k, cu_seqlens, ...)`` calls :func:`cp_rope.apply_rotary_emb_qk`
+    (one kernel launch for q and k).
 
     Args:
         rotary_dim: rotated dims per head (even, <= head_dim).
@@ -42,25 +46,34 @@ class RotaryEmbedding(nn.Module):
         self.base = base
         self.scaling = dict(scaling) if scaling is not None else None
         self.interleaved = interleaved
-        cos, sin = rope_cache(max_positions, rotary_dim, base, scaling, device=device)
-        self.register_buffer("cos", cos, persistent=False)
-        self.register_buffer("sin", sin, persistent=False)
+        # Plain attributes (not buffers): nn.Module's casts and moves skip them.
+        self._cos, self._sin = rope_cache(max_positions, rotary_dim, base, scaling, device=device)
+
+    @property
+    def cos(self) -> torch.Tensor:
+        """float32 ``[max_positions, rotary_dim // 2]``, on the device last used."""
+        return self._cos
+
+    @property
+    def sin(self) -> torch.Tensor:
+        """float32 ``[max_positions, rotary_dim // 2]``, on the device last used."""
+        return self._sin
+
+    def tables(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` float32 on ``device``; the cache moves there on first use."""
+        device = torch.device(device)
+        if self._cos.device != device:
+            self._cos, self._sin = self._cos.to(device), self._sin.to(device)
+        return self._cos, self._sin
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 max_seqlen: int | None = None, cp_size: int = 1, cp_rank: int = 0,
                 inplace: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[T, Hq, D]``, k ``[T, Hk, D]``, local cu_seqlens int32 ``[B + 1]`` -> rotated (q, k)."""
-        return apply_rotary_emb_qk(q, k, self.cos, self.sin, cu_seqlens, max_seqlen=max_seqlen,
+        cos, sin = self.tables(q.device)
+        return apply_rotary_emb_qk(q, k, cos, sin, cu_seqlens, max_seqlen=max_seqlen,
                                    cp_size=cp_size, cp_rank=cp_rank, interleaved=self.interleaved,
                                    inplace=inplace, backend=backend)
-
-    def _apply(self, fn, recurse=True):
-        cos, sin = self.cos, self.sin
-        super()._apply(fn, recurse)
-        # Keep the float32 tables: take only the device of what fn made.
-        self.cos = cos.to(self.cos.device)
-        self.sin = sin.to(self.sin.device)
-        return self
 
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, "
