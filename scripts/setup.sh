@@ -2,7 +2,9 @@
 # One-time set-up on a fresh machine: a virtual environment in .venv (it sees
 # the system's packages, so a CUDA build of torch you already have is kept),
 # PyTorch only when it is missing (the CPU wheel 2.13.0 by default), then
-# cp-rope itself, editable, with its test extra. Safe to run again.
+# cp-rope itself, editable, with its test extra (pytest, hypothesis, ruff; without
+# network: the package alone, --no-deps --no-build-isolation). Safe to run again.
+# Everything runs from this install: no PYTHONPATH=. anywhere.
 #
 # Environment: PYTHON (default python3), CP_ROPE_VENV (default .venv; set to
 # "none" to install into the current interpreter), CP_ROPE_TORCH_SPEC
@@ -26,5 +28,9 @@ else
   "$PY" -m pip install -q "$spec" \
     || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
 fi
-"$PY" -m pip install -q -e ".[test]"
+if ! "$PY" -m pip install -q -e ".[test]"; then
+  # Offline: the package alone, with the build tools already installed.
+  echo "setup: installing the test extra failed (no network?); installing cp-rope alone" >&2
+  "$PY" -m pip install -q --no-deps --no-build-isolation -e .
+fi
 "$PY" -c "import cp_rope, cp_rope.parallel, cp_rope.launch, torch; print('setup: cp_rope', cp_rope.__version__, 'with torch', torch.__version__)"
