@@ -28,7 +28,7 @@ else
   "$PY" -m pip install -q "$spec" \
     || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
 fi
-if ! "$PY" -m pip install -q -e ".[test]"; then
+if ! "$PY" -m pip install -q -e ".[test,hf]"; then
   # Offline: the package alone, with the build tools already installed.
   echo "setup: installing the test extra failed (no network?); installing cp-rope alone" >&2
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
