@@ -10,6 +10,8 @@ import dataclasses
 
 import torch
 
+from .placement import DocumentPlacement
+
 __all__ = ["PackedBatch"]
 
 
@@ -43,6 +45,14 @@ class PackedBatch:
         cp_size, cp_rank: the layout of the per-token fields (1, 0: global).
         num_empty_dropped: empty documents (or spans) the collator dropped
             while building this batch.
+        placement: ``None`` for the global batch and zigzag shards; for a
+            per-document shard (``shard_batch(..., placement="per_document")``)
+            the batch's :class:`~cp_rope.parallel.placement.DocumentPlacement`:
+            ranks then hold different local ``cu_seqlens`` (split shares
+            first, then whole documents), ``position_ids`` are the positions
+            in the global sequences, and every rank has ``placement.n_rows``
+            rows, ``cu_seqlens[-1] <= T`` (trailing padding). Pass it to
+            ``context_parallel_attention(..., placement=)`` and ``unshard``.
     """
 
     input_ids: torch.Tensor
@@ -54,6 +64,7 @@ class PackedBatch:
     cp_size: int = 1
     cp_rank: int = 0
     num_empty_dropped: int = 0
+    placement: DocumentPlacement | None = None
 
     _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_lens")
 
@@ -70,6 +81,9 @@ class PackedBatch:
     @property
     def global_cu_seqlens(self) -> torch.Tensor:
         """int32 ``[B + 1]`` cu_seqlens of the global (unsharded) batch."""
+        if self.placement is not None:
+            return torch.from_numpy(self.placement.cu_seqlens.astype("int32")).to(
+                self.cu_seqlens.device)
         return self.cu_seqlens * self.cp_size
 
     def _map(self, fn) -> PackedBatch:

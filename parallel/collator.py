@@ -32,6 +32,7 @@ import torch
 from cp_rope.validation import check_cp_args, check_int
 
 from .batch import PackedBatch
+from .placement import check_placement
 from .sharding import shard_batch
 
 __all__ = ["PackingCollator"]
@@ -181,6 +182,16 @@ class PackingCollator:
             ``cp_size``) and this never fires.
         max_seqlen: cut longer documents into pieces (a multiple of ``2 * cp_size``).
         vocab_size: if given, ids (and non-ignored labels) must be ``< vocab_size``.
+        placement: how a shard is cut (with ``cp_rank`` set): ``"zigzag"`` (every
+            sequence over all ranks) or ``"per_document"`` (sequences of at most
+            ``split_threshold`` tokens whole on one rank, balanced by causal work;
+            longer ones zigzag; shards padded to a common length with ``pad_id``
+            rows: :mod:`cp_rope.parallel.placement`). The global batch is the
+            same for both. With ``pad_to_multiple`` a per-document shard's rows are
+            a multiple of ``pad_to_multiple / cp_size`` (with
+            ``pad_to_multiple=max_tokens``: at most ``cp_size`` distinct shapes).
+        split_threshold: tokens; required with ``"per_document"``, refused with
+            ``"zigzag"`` (:func:`cp_rope.parallel.placement.default_split_threshold`).
 
     Raises (when called): ``TypeError`` for non-integer or wrongly typed ids or
     labels; ``ValueError`` for 2-D ids, negative ids, ids ``>= vocab_size``, a
@@ -191,8 +202,10 @@ class PackingCollator:
     def __init__(self, cp_size: int = 1, cp_rank: int | None = None, pad_id: int = 0,
                  ignore_index: int = -100, pad_to_multiple: int | None = None,
                  max_tokens: int | None = None, *, max_seqlen: int | None = None,
-                 vocab_size: int | None = None):
+                 vocab_size: int | None = None, placement: str = "zigzag",
+                 split_threshold: int | None = None):
         check_cp_args(cp_size, 0 if cp_rank is None else cp_rank)
+        self.placement, self.split_threshold = check_placement(placement, split_threshold, cp_size)
         m = 2 * cp_size
         pad_to_multiple = _optional_positive("pad_to_multiple", pad_to_multiple)
         if pad_to_multiple is not None and pad_to_multiple % m:
@@ -221,7 +234,10 @@ class PackingCollator:
         batch = self.pack(examples)
         if self.cp_rank is None:
             return batch
-        return shard_batch(batch, self.cp_size, self.cp_rank)
+        return shard_batch(batch, self.cp_size, self.cp_rank, placement=self.placement,
+                           split_threshold=self.split_threshold, pad_id=self.pad_id,
+                           ignore_index=self.ignore_index,
+                           pad_to_multiple=(self.pad_to_multiple or self.cp_size) // self.cp_size)
 
     # -- the global batch ---------------------------------------------------------------
 

@@ -19,6 +19,7 @@ from cp_rope.positions import global_positions
 from cp_rope.validation import check_cp_args, check_cu_seqlens, check_cu_seqlens_content
 
 from .batch import PackedBatch
+from .placement import check_placement, place_documents, shard_placed, unshard_placed
 
 __all__ = ["cp_shard_indices", "shard_tensor", "shard_batch", "unshard", "local_cu_seqlens"]
 
@@ -107,8 +108,18 @@ def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_ran
     return x.index_select(dim, idx.to(x.device))
 
 
-def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
-    """This rank's zigzag shard of a *global* :class:`~cp_rope.parallel.PackedBatch`.
+def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int, *, placement: str = "zigzag",
+                split_threshold: int | None = None, pad_id: int = 0, ignore_index: int = -100,
+                pad_to_multiple: int = 1) -> PackedBatch:
+    """This rank's zigzag (or per-document) shard of a *global* :class:`~cp_rope.parallel.PackedBatch`.
+
+    ``placement="per_document"`` (with ``split_threshold``, tokens): documents of at
+    most ``split_threshold`` tokens stay whole on one rank, longer ones are
+    zigzag-split; see :mod:`cp_rope.parallel.placement` for the layout, the balance
+    bound and the trailing padding rows (``pad_id`` / ``ignore_index`` / position 0,
+    up to a common row count rounded to ``pad_to_multiple``), which only this
+    placement adds (zigzag shards have no padding rows, so these three do not apply to
+    them). The rest of this docstring describes ``"zigzag"``.
 
     Per-token fields (``input_ids``, ``labels``, ``position_ids``) keep the rows
     :func:`cp_shard_indices` selects, so ``position_ids`` become
@@ -123,7 +134,11 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
         ValueError: ``batch.cu_seqlens`` not 1-D, not starting at 0 or
             decreasing; the batch is already a shard (``batch.cp_size != 1``), has
             trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
-            divisible by ``2 * cp_size``; ``cp_rank`` out of range.
+            divisible by ``2 * cp_size``; ``cp_rank`` out of range; an unknown
+            ``placement``, a ``split_threshold`` with ``"zigzag"``, none or a negative
+            one with ``"per_document"`` (:func:`~cp_rope.parallel.placement.check_placement`);
+            with ``"per_document"``, only the lengths of *split* documents must be
+            divisible by ``2 * cp_size``.
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
@@ -137,6 +152,11 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
     if total != batch.input_ids.numel():
         raise ValueError(f"batch: cu_seqlens[-1] = {total} but input_ids has "
                          f"{batch.input_ids.numel()} rows; trailing rows cannot be sharded")
+    placement, split_threshold = check_placement(placement, split_threshold, cp_size)
+    if placement == "per_document":
+        placed = place_documents(batch.cu_seqlens, cp_size, split_threshold,
+                                 pad_to_multiple=pad_to_multiple)
+        return shard_placed(batch, placed, cp_rank, pad_id=pad_id, ignore_index=ignore_index)
     if cp_size == 1:
         return batch
     idx = cp_shard_indices(batch.cu_seqlens, cp_size, cp_rank).to(batch.input_ids.device)
@@ -153,8 +173,12 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int) -> PackedBatch:
 
 
 def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGroup | None = None,
-            ) -> torch.Tensor:
+            *, placement=None) -> torch.Tensor:
     """Gather every rank's zigzag shard back into global order (dim 0).
+
+    For a per-document shard pass its ``placement`` (``batch.placement``): then
+    :func:`cp_rope.parallel.placement.unshard_placed` gathers it (``local`` has
+    ``placement.n_rows`` rows; the result has the global ``cu_seqlens[-1]``).
 
     Args:
         local: ``[T_local, ...]``, this rank's rows (any trailing shape, any
@@ -173,6 +197,8 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
     ValueError if ``cu_seqlens`` is not 1-D, does not start at 0 or decreases, ``local`` has
     fewer rows than ``cu_seqlens[-1]``, or a local length is odd (with ``C > 1``).
     """
+    if placement is not None:
+        return unshard_placed(local, cu_seqlens, placement, group)
     if not isinstance(local, torch.Tensor):
         raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
     check_cu_seqlens(cu_seqlens)
