@@ -152,6 +152,8 @@ def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
         if not files:
             raise ConfigError(f"data.data=None: no *.py files under {sysconfig.get_paths()['stdlib']!r}")
     elif os.path.isdir(path):
+        if not os.access(path, os.R_OK | os.X_OK):
+            raise ConfigError(f"data.data={path!r} (--data): the directory cannot be read")
         files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
         if not files:
             raise ConfigError(f"data.data={path!r}: directory holds no *.txt files")
@@ -163,15 +165,30 @@ def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
 
     def gen():
         for f in files:
-            with open(f, "rb") as fh:
+            with _open_corpus(path, f) as fh:
                 yield fh.read()
     return gen()
 
 
+def _open_corpus(path: str | None, file: str):
+    """``open(file, "rb")``; an OSError becomes a ConfigError naming --data and the file."""
+    try:
+        return open(file, "rb")
+    except OSError as exc:
+        where = "" if file == path else f" (file {file!r})"
+        raise ConfigError(f"data.data={path!r} (--data){where}: cannot be read: "
+                          f"{exc.strerror or exc}") from None
+
+
 def _read_jsonl(path: str, field: str, max_docs: int | None) -> Iterable[str]:
-    with open(path, encoding="utf-8") as fh:
+    with _open_corpus(path, path) as fh:
         n = 0
-        for lineno, line in enumerate(fh, 1):
+        for lineno, raw in enumerate(fh, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"data.data={path!r}: line {lineno} is not valid UTF-8 "
+                                  f"(byte {exc.start} of the line: {exc.reason})") from None
             if not line.strip():
                 continue
             if max_docs is not None and n >= max_docs:
@@ -189,7 +206,18 @@ def _read_jsonl(path: str, field: str, max_docs: int | None) -> Iterable[str]:
 
 def _load_bin(cfg: DataConfig, vocab_size: int) -> Corpus:
     dtype = np.dtype(cfg.bin_dtype)
-    size = os.path.getsize(cfg.data)
+    top = np.iinfo(dtype).max
+    if vocab_size <= 0:
+        raise ConfigError(f"model.vocab_size={vocab_size}: a pre-tokenized .bin corpus needs "
+                          "--vocab-size")
+    if cfg.eos_id is None or cfg.eos_id < 0 or cfg.eos_id > top or cfg.eos_id >= vocab_size:
+        raise ConfigError(f"data.eos_id={cfg.eos_id!r} (--eos-id): the EOS id of a .bin corpus "
+                          f"must be in [0, {min(top + 1, vocab_size)}) (model.vocab_size="
+                          f"{vocab_size}, --bin-dtype {cfg.bin_dtype} holds ids up to {top})")
+    with _open_corpus(cfg.data, cfg.data):  # readable (a memmap of an unreadable file fails raw)
+        size = os.path.getsize(cfg.data)
+    if size == 0:
+        raise ConfigError(f"data.data={cfg.data!r} (--data): the .bin file is empty (0 tokens)")
     if size % dtype.itemsize:
         raise ConfigError(f"data.data={cfg.data!r}: {size} bytes is not a whole number of "
                           f"{cfg.bin_dtype} tokens (check --bin-dtype)")
