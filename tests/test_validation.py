@@ -14,6 +14,7 @@ import torch
 from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache
 from cp_rope.parallel import (
     PackedBatch,
+    PackingCollator,
     context_parallel_attention,
     cp_cross_entropy,
     cp_shard_indices,
@@ -193,3 +194,41 @@ def test_every_api_raises_the_same_for_a_bad_cu_seqlens(api, case):
     with pytest.raises(exc, match="cu_seqlens") as info:
         APIS[api](cu)
     assert type(info.value) is exc, f"{api}: {type(info.value).__name__}: {info.value}"
+
+
+CP_APIS = {
+    "apply_rotary_emb": lambda s, r: apply_rotary_emb(torch.randn(T, 2, 8), *rope_cache(64, 8),
+                                                      _i32([0, 8]), cp_size=s, cp_rank=r),
+    "global_positions": lambda s, r: global_positions(_i32([0, 8]), s, r),
+    "cp_shard_indices": lambda s, r: cp_shard_indices(_i32([0, 8]), s, r),
+    "shard_batch": lambda s, r: shard_batch(_packed(_i32([0, 8])), s, r),
+    "PackingCollator": lambda s, r: PackingCollator(cp_size=s, cp_rank=r),
+}
+
+
+@pytest.mark.parametrize("api", list(CP_APIS))
+def test_every_api_checks_cp_size_and_rank_alike(api):
+    CP_APIS[api](2, 1)
+    for (size, rank), exc, msg in [((2.0, 0), TypeError, "cp_size must be an int"),
+                                   ((2, True), TypeError, "cp_rank must be an int"),
+                                   ((0, 0), ValueError, "cp_size must be >= 1"),
+                                   ((2, 2), ValueError, "cp_rank must satisfy")]:
+        with pytest.raises(exc, match=msg):
+            CP_APIS[api](size, rank)
+
+
+MAX_SEQLEN_APIS = {
+    "apply_rotary_emb": lambda m: apply_rotary_emb(torch.randn(T, 2, 8), *rope_cache(64, 8),
+                                                   _i32([0, 8]), max_seqlen=m),
+    "context_parallel_attention": lambda m: context_parallel_attention(
+        torch.randn(T, 2, 8), torch.randn(T, 1, 8), torch.randn(T, 1, 8), _i32([0, 8]), m),
+}
+
+
+@pytest.mark.parametrize("api", list(MAX_SEQLEN_APIS))
+def test_every_api_checks_max_seqlen_alike(api):
+    MAX_SEQLEN_APIS[api](np.int64(8))
+    for bad, exc in ((8.0, TypeError), (True, TypeError), (torch.tensor(8), TypeError),
+                     (-1, ValueError)):
+        with pytest.raises(exc, match="max_seqlen"):
+            MAX_SEQLEN_APIS[api](bad)
