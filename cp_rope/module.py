@@ -31,13 +31,13 @@ class RotaryEmbedding(nn.Module):
     Args:
         rotary_dim: rotated dims per head (even, <= head_dim).
         max_positions: largest *global* sequence length supported.
-        base: RoPE base.
+        base: RoPE base (``None``: ``scaling['rope_theta']`` if present, else 10000).
         scaling: HF-style ``rope_scaling`` dict (see :func:`cp_rope.rope_cache`).
         interleaved: GPT-J pairing instead of GPT-NeoX / Llama halves.
         device: where the cache is built.
     """
 
-    def __init__(self, rotary_dim: int, max_positions: int, base: float = 10000.0,
+    def __init__(self, rotary_dim: int, max_positions: int, base: float | None = None,
                  scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
