@@ -1,12 +1,20 @@
-"""cp_rope.launch: torchrun entry points for long-context pretraining.
+"""cp_rope.launch: the trainer -- torchrun pretraining of a Llama-style decoder with context parallelism.
 
-* :mod:`cp_rope.launch.pretrain`: ``torchrun ... -m cp_rope.launch.pretrain --cp-size C``
-  (its docstring shows single- and multi-node command lines; ``--help`` lists every flag).
-* :mod:`cp_rope.launch.config`: typed configs, presets (tiny, 125m, 1b, 8b), argparse / TOML / JSON.
+Read in this order (torchtitan's shape):
+
+* :mod:`cp_rope.launch.pretrain`: the entry point, ``torchrun ... -m cp_rope.launch.pretrain
+  --cp-size C`` (its docstring shows single- and multi-node command lines; ``--help`` lists
+  every flag); ``set_up`` -> ``train_loop`` -> ``summarize``, and ``train_step``.
+* :mod:`cp_rope.launch.config`: typed configs with per-field docs, presets (tiny, 125m, 1b,
+  8b), ``validate`` (errors name the field).
+* :mod:`cp_rope.launch.cli`: reading a config with tyro: preset < TOML/JSON file < flags.
 * :mod:`cp_rope.launch.model`: the Llama-style decoder (cp_rope RoPE, CP attention, GQA, SwiGLU).
+* :mod:`cp_rope.launch.parallelize`: ``parallelize(model, mesh, cfg)``: CP wiring, activation
+  checkpointing, FSDP2, in that order.
+* :mod:`cp_rope.launch.optim`: AdamW groups, the LR schedule, gradient reduction and clipping.
 * :mod:`cp_rope.launch.data`: corpora (Python stdlib, JSONL, .txt, .bin), tokenizers, the packed loader.
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
-* :mod:`cp_rope.launch.metrics`: rank-0 logging, MFU peak table.
+* :mod:`cp_rope.launch.metrics`: throughput and MFU arithmetic, rank-0 logging.
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.
 """
 

@@ -1,35 +1,29 @@
-"""Typed configuration of the pretraining entry point.
+"""Typed configuration of the pretraining entry point: what a config is and what is valid.
 
 One ``@dataclass(kw_only=True, slots=True)`` per component, each field
 documented by the docstring under it (that text is also the ``--help`` of its
-command-line flag, so units live there). Named presets are plain Python
-functions returning a :class:`PretrainConfig`. Precedence, lowest first:
-preset, ``--config`` file (TOML or JSON, one table per component), then
-command-line flags (kebab-case field names, e.g. ``--cp-size``, ``--lr``).
+command-line flag, so units live there; plain text, no markup). Named presets
+are plain Python functions returning a :class:`PretrainConfig`. Reading a
+config (preset < ``--config`` file < flags, through tyro) is
+:mod:`cp_rope.launch.cli`.
 
 :func:`validate` checks everything that can be checked without a process
 group or data, so a bad config fails in milliseconds with a message naming
-the field (``ConfigError: model.n_heads=12 ...``).
+the field (``ConfigError: model.dim=128: must be divisible by model.n_heads=3``).
+Options declared for methods that are not wired yet are refused in one place,
+:func:`check_available`.
 """
 
 from __future__ import annotations
 
-import argparse
-import ast
 import dataclasses
-import functools
-import inspect
-import json
 import os
-import re
-import sys
-import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
-    "PretrainConfig", "PRESETS", "preset", "parse_args", "validate", "to_dict",
+    "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
     "RESUME_FIXED", "check_resume_config",
 ]
 
@@ -40,7 +34,7 @@ class ConfigError(ValueError):
 
 @dataclass(kw_only=True, slots=True)
 class ModelConfig:
-    """Llama-style decoder shapes (see :mod:`cp_rope.launch.model`)."""
+    """Llama-style decoder shapes (see cp_rope.launch.model)."""
 
     dim: int = 128
     """Hidden size (model width), in features."""
@@ -73,7 +67,7 @@ class DataConfig:
     data: str | None = None
     """Corpus: None = the running Python's stdlib *.py files; a .jsonl file (text field), a directory of .txt files, or a pre-tokenized .bin (memmap)."""
     tokenizer: str | None = None
-    """Path to a local HuggingFace tokenizer.json (needs the `tokenizers` package); None = bytes (256 ids + BOS/EOS/PAD)."""
+    """Path to a local HuggingFace tokenizer.json (needs the tokenizers package); None = bytes (256 ids + BOS/EOS/PAD)."""
     text_field: str = "text"
     """JSONL key holding each document's text."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
@@ -98,8 +92,14 @@ class ParallelConfig:
 
     cp_size: int = 1
     """Context-parallel degree C (ranks that share one sequence)."""
-    cp_method: Literal["ring", "allgather"] = "ring"
-    """CP attention algorithm: ring (P2P K/V rotation) or allgather (K/V all-gather)."""
+    cp_method: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
+    """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences) or hybrid (Ulysses groups of ulysses_size ranks joined by a ring)."""
+    ulysses_size: int = 1
+    """hybrid only: ranks per Ulysses all-to-all group; must divide cp_size (1 = the ring, cp_size = Ulysses)."""
+    cp_placement: Literal["zigzag", "per_document"] = "zigzag"
+    """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks) or per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag)."""
+    cp_split_threshold: int | None = None
+    """per_document only: longest document kept whole on one rank, in tokens; None = the placement's default."""
     attn_backend: Literal["auto", "flash_attn", "torch_cudnn", "torch_flash", "reference"] = "auto"
     """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
@@ -139,7 +139,7 @@ class TrainConfig:
     steps: int = 120
     """Optimizer steps to train (total, including steps before a resume)."""
     stop_at_step: int | None = None
-    """Stop (saving a checkpoint) after this step although the LR schedule spans `steps`, e.g. to fit a job time limit; resume later with --resume."""
+    """Stop (saving a checkpoint) after this step although the LR schedule spans --steps, e.g. to fit a job time limit; resume later with --resume."""
     seed: int = 0
     """Seed of the weight init and the data order."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
@@ -172,7 +172,7 @@ class TrainConfig:
 
 @dataclass(kw_only=True, slots=True)
 class PretrainConfig:
-    """Everything :func:`cp_rope.launch.pretrain.main` needs."""
+    """Everything cp_rope.launch.pretrain.main needs."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     """Model shapes."""
@@ -186,7 +186,8 @@ class PretrainConfig:
     """Loop, precision, logging, checkpoints."""
 
 
-_SECTIONS = ("model", "data", "parallel", "optim", "train")
+SECTIONS = ("model", "data", "parallel", "optim", "train")
+"""The component tables, in the order of :class:`PretrainConfig` (and of a config file)."""
 
 
 # ------------------------------------------------------------------- presets
@@ -234,174 +235,10 @@ def preset(name: str) -> PretrainConfig:
     return PRESETS[name]()
 
 
-# --------------------------------------------------------- field docs / types
-_RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
-_RST_LITERAL = re.compile(r"``?([^`]+)``?")
-
-
-def _plain(text: str | None) -> str | None:
-    """Docstring text without reStructuredText markup (roles, ``literals``, ``::``) for ``--help``."""
-    if text is None:
-        return None
-    return _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(r"\1", text)).replace("::\n", ":\n")
-
-
-@functools.cache
-def _field_docs(cls: type) -> dict[str, str]:
-    """The docstring under each field of dataclass ``cls`` (parsed from its source)."""
-    tree = ast.parse(inspect.getsource(cls))
-    body = tree.body[0].body  # type: ignore[attr-defined]
-    docs = {}
-    for node, nxt in zip(body, body[1:], strict=False):
-        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name)
-                and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
-                and isinstance(nxt.value.value, str)):
-            docs[node.target.id] = _plain(" ".join(nxt.value.value.split())).replace("%", "%%")
-    return docs
-
-
-@functools.cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _section_classes() -> dict[str, type]:
-    return {s: _hints(PretrainConfig)[s] for s in _SECTIONS}
-
-
-def _parse_value(tp: Any, value: Any, where: str) -> Any:
-    """Coerce ``value`` (from a file or the command line) to the annotated type ``tp``."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Union or (sys.version_info >= (3, 10) and origin is __import__("types").UnionType):
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
-            return None
-        inner = [a for a in args if a is not type(None)]
-        return _parse_value(inner[0], value, where)
-    if origin is Literal:
-        if value not in args:
-            raise ConfigError(f"{where}={value!r}: expected one of {list(args)}")
-        return value
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
-            return value.lower() in ("1", "true", "yes", "on")
-        raise ConfigError(f"{where}={value!r}: expected a boolean")
-    try:
-        if tp is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError
-        return tp(value)
-    except (TypeError, ValueError):
-        raise ConfigError(f"{where}={value!r}: expected {tp.__name__}") from None
-
-
-def _apply_mapping(cfg: PretrainConfig, mapping: dict, source: str) -> None:
-    classes = _section_classes()
-    for section, values in mapping.items():
-        if section not in classes:
-            raise ConfigError(f"{source}: unknown section {section!r}; expected one of {list(classes)}")
-        if not isinstance(values, dict):
-            raise ConfigError(f"{source}: section {section!r} must be a table/object")
-        obj = getattr(cfg, section)
-        hints = _hints(classes[section])
-        for name, value in values.items():
-            if name not in hints:
-                raise ConfigError(f"{source}: unknown field {section}.{name}; "
-                                  f"expected one of {sorted(hints)}")
-            setattr(obj, name, _parse_value(hints[name], value, f"{section}.{name}"))
-
-
-def load_config_file(path: str) -> dict:
-    """Read a TOML (``.toml``) or JSON (``.json``) config file into a nested dict.
-
-    TOML needs :mod:`tomllib` (Python 3.11+) or the ``tomli`` package.
-    Raises ConfigError naming the file for a missing file or bad syntax.
-    """
-    if not os.path.isfile(path):
-        raise ConfigError(f"config={path!r}: no such file")
-    try:
-        if path.endswith(".toml"):
-            try:
-                import tomllib
-            except ModuleNotFoundError:  # Python 3.10
-                try:
-                    import tomli as tomllib  # type: ignore[no-redef]
-                except ModuleNotFoundError:
-                    raise ConfigError(f"config={path!r}: reading TOML needs Python 3.11+ or "
-                                      "`pip install tomli`; or use a .json file") from None
-            with open(path, "rb") as f:
-                return tomllib.load(f)
-        if path.endswith(".json"):
-            with open(path) as f:
-                return json.load(f)
-    except (ValueError, OSError) as exc:
-        raise ConfigError(f"config={path!r}: {exc}") from exc
-    raise ConfigError(f"config={path!r}: expected a .toml or .json file")
-
-
-# ------------------------------------------------------------------ argparse
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
-    """Defaults in the flag help, the epilog (command lines) verbatim."""
-
-
-def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
-    """The entry point's parser: ``--preset``, ``--config`` and one flag per config field."""
-    p = argparse.ArgumentParser(
-        prog="torchrun --nproc-per-node N -m cp_rope.launch.pretrain",
-        description="Long-context pretraining with context parallelism (DP x CP DeviceMesh). "
-                    "Flags override the --config file, which overrides the --preset.",
-        epilog=_plain(epilog), formatter_class=_HelpFormatter)
-    p.add_argument("--preset", default="tiny", choices=sorted(PRESETS),
-                   help="named model/training preset")
-    p.add_argument("--config", default=None, help="TOML or JSON file with [model], [data], [parallel], "
-                   "[optim], [train] tables")
-    for section, cls in _section_classes().items():
-        group = p.add_argument_group(section, _plain(cls.__doc__))
-        docs = _field_docs(cls)
-        defaults = cls()
-        for f in dataclasses.fields(cls):
-            tp = _hints(cls)[f.name]
-            kw: dict[str, Any] = {"dest": f"{section}.{f.name}", "default": argparse.SUPPRESS,
-                                  "help": f"{docs.get(f.name, '')} (default: {getattr(defaults, f.name)!r} "
-                                          "in the tiny preset)"}
-            if tp is bool:
-                kw["action"] = argparse.BooleanOptionalAction
-            elif typing.get_origin(tp) is Literal:
-                kw["choices"] = list(typing.get_args(tp))
-            else:
-                kw["type"] = str  # coerced by _parse_value, which names the field on error
-                kw["metavar"] = f.name.upper()
-            group.add_argument(_flag(f.name), **kw)
-    return p
-
-
-def parse_args(argv: list[str] | None = None, epilog: str | None = None) -> PretrainConfig:
-    """Command line -> validated-shape :class:`PretrainConfig` (preset, then file, then flags).
-
-    Raises ConfigError naming the field for a value of the wrong type or an
-    unknown key; argparse exits with status 2 for an unknown flag.
-    """
-    args = build_parser(epilog).parse_args(argv)
-    cfg = preset(args.preset)
-    if args.config:
-        _apply_mapping(cfg, load_config_file(args.config), args.config)
-    flags: dict[str, dict] = {}
-    for key, value in vars(args).items():
-        if "." in key:
-            section, name = key.split(".", 1)
-            flags.setdefault(section, {})[name] = value
-    _apply_mapping(cfg, flags, "command line")
-    return cfg
-
-
 def to_dict(cfg: PretrainConfig) -> dict:
     """Nested plain dict (JSON-serialisable), e.g. for logging the run's config."""
     return {s: {f.name: getattr(getattr(cfg, s), f.name) for f in dataclasses.fields(getattr(cfg, s))}
-            for s in _SECTIONS}
+            for s in SECTIONS}
 
 
 # ---------------------------------------------------------------- validation
@@ -435,6 +272,19 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(m.max_seq_len == 0 or m.max_seq_len >= d.seq_len, "model.max_seq_len", m.max_seq_len,
              f"must be 0 or >= data.seq_len={d.seq_len}")
     _require(p.cp_size >= 1, "parallel.cp_size", p.cp_size, "must be >= 1")
+    _require(p.ulysses_size >= 1, "parallel.ulysses_size", p.ulysses_size, "must be >= 1")
+    if p.cp_method == "hybrid":
+        _require(p.cp_size % p.ulysses_size == 0, "parallel.ulysses_size", p.ulysses_size,
+                 f"must divide parallel.cp_size={p.cp_size} (hybrid: cp_size / ulysses_size rings)")
+    else:
+        _require(p.ulysses_size == 1, "parallel.ulysses_size", p.ulysses_size,
+                 f"is for --cp-method hybrid only (this run: {p.cp_method})")
+    _require(p.cp_split_threshold is None or p.cp_split_threshold >= 1,
+             "parallel.cp_split_threshold", p.cp_split_threshold, "must be None or >= 1 token")
+    _require(p.cp_split_threshold is None or p.cp_placement == "per_document",
+             "parallel.cp_split_threshold", p.cp_split_threshold,
+             f"is for --cp-placement per_document only (this run: {p.cp_placement})")
+    check_available(cfg)
     _require(p.timeout_s >= 1, "parallel.timeout_s", p.timeout_s, "must be >= 1")
     if world_size is not None:
         _require(world_size % p.cp_size == 0, "parallel.cp_size", p.cp_size,
@@ -492,6 +342,28 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
                  "(set before cp_rope is imported); use auto or torch")
     _require(not (t.device == "cpu" and t.dtype == "bfloat16"), "train.dtype", t.dtype,
              "bfloat16 training is for cuda; use float32 on cpu")
+
+
+NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {
+    "parallel.cp_method": ("ulysses", "hybrid"),
+    "parallel.cp_placement": ("per_document",),
+}
+"""Choices the config declares but the trainer does not run yet (their flags exist so that
+scripts and docs can name them). Wiring one in means deleting it here, and only here."""
+
+
+def check_available(cfg: PretrainConfig) -> None:
+    """Refuse a choice of :data:`NOT_AVAILABLE_YET`.
+
+    Raises:
+        ConfigError: ``parallel.cp_method='ulysses': not available yet ...``.
+    """
+    for where, values in NOT_AVAILABLE_YET.items():
+        section, name = where.split(".")
+        value = getattr(getattr(cfg, section), name)
+        _require(value not in values, where, value,
+                 "not available yet in cp_rope.launch (declared for a coming release); "
+                 "choose one of the others")
 
 
 # ------------------------------------------------------------------ resume

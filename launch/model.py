@@ -24,7 +24,7 @@ from cp_rope.parallel import context_parallel_attention
 
 from .config import ModelConfig
 
-__all__ = ["Transformer", "count_params", "flops_per_step"]
+__all__ = ["Transformer", "TransformerBlock", "count_params"]
 
 
 class Attention(nn.Module):
@@ -64,8 +64,14 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block."""
+class TransformerBlock(nn.Module):
+    """Pre-norm transformer block: ``x + attention(norm(x))``, then ``h + feed_forward(norm(h))``.
+
+    ``checkpoint_activations`` (set by
+    :func:`cp_rope.launch.parallelize.apply_activation_checkpointing`) recomputes the
+    block's activations in backward (:func:`torch.utils.checkpoint.checkpoint`,
+    non-reentrant) instead of keeping them; parameter names do not change.
+    """
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -73,8 +79,14 @@ class Block(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
+        if self.checkpoint_activations and torch.is_grad_enabled():
+            return checkpoint(self._forward, x, rope, ctx, use_reentrant=False)
+        return self._forward(x, rope, ctx)
+
+    def _forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, ctx)
         return h + self.feed_forward(self.ffn_norm(h))
 
@@ -95,10 +107,10 @@ class Transformer(nn.Module):
 
     Args:
         cfg: shapes; ``cfg.vocab_size`` and ``cfg.max_seq_len`` must be resolved (> 0).
-        cp_group: the context-parallel process group (the ``"cp"`` dim of the
-            mesh); ``None`` = no CP (this process holds whole sequences).
-        cp_method: ``"ring"`` or ``"allgather"`` (see context_parallel_attention).
-        attn_backend, rope_backend: kernel selection passed through.
+        cp_group, cp_method, attn_backend, rope_backend: as
+            :meth:`configure_attention` (which
+            :func:`cp_rope.launch.parallelize.parallelize` calls with the mesh's
+            ``"cp"`` group); the defaults hold whole sequences in this process.
 
     ``forward(input_ids, cu_seqlens, max_seqlen) -> logits``:
         input_ids: int64 ``[T]`` (this rank's zigzag shard under CP);
@@ -119,17 +131,30 @@ class Transformer(nn.Module):
             raise ValueError(f"cfg.vocab_size={cfg.vocab_size} and cfg.max_seq_len={cfg.max_seq_len} "
                              "must be resolved (>= 1) before building the model")
         self.cfg = cfg
-        self.cp_group = cp_group
-        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
-        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
-        self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
-        self.activation_checkpointing = cfg.activation_checkpointing
+        self.configure_attention(cp_group=cp_group, cp_method=cp_method, attn_backend=attn_backend,
+                                 rope_backend=rope_backend)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, base=cfg.rope_base)
         self.init_weights()
+
+    def configure_attention(self, *, cp_group: dist.ProcessGroup | None = None,
+                            cp_method: str = "ring", attn_backend: str = "auto",
+                            rope_backend: str = "auto") -> None:
+        """How every attention layer runs (no parameters change).
+
+        Args:
+            cp_group: the context-parallel process group (the ``"cp"`` dim of the
+                mesh); ``None`` = no CP (this process holds whole sequences).
+            cp_method: ``"ring"`` or ``"allgather"`` (see context_parallel_attention).
+            attn_backend, rope_backend: kernel selection passed through.
+        """
+        self.cp_group = cp_group
+        self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
+        self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
+        self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -150,10 +175,7 @@ class Transformer(nn.Module):
                    attn_backend=self.attn_backend, rope_backend=self.rope_backend)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                h = checkpoint(layer, h, self.rope, ctx, use_reentrant=False)
-            else:
-                h = layer(h, self.rope, ctx)
+            h = layer(h, self.rope, ctx)
         return self.output(self.norm(h))
 
 
@@ -163,18 +185,3 @@ def count_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:
     if exclude_embedding:
         n -= sum(p.numel() for p in model.tok_embeddings.parameters())
     return n
-
-
-def flops_per_step(cfg: ModelConfig, n_params_no_embedding: int, n_tokens: int,
-                   sum_sq_seqlens: float) -> float:
-    """Training FLOPs of one step (forward + backward = 3x forward), the MFU numerator.
-
-    ``6 * N * tokens`` for the matmuls (N without the embedding table, with the
-    output head; Kaplan et al. 2020 / PaLM appendix B) plus causal attention:
-    per layer, QK^T and PV cost ``2 * 2 * L^2 * head_dim`` per query head for a
-    full L x L score matrix, halved by the causal mask, times 3 for training:
-    ``6 * L^2 * n_heads * head_dim`` per layer per sequence, summed over the
-    *global* sequences (varlen: ``sum_sq_seqlens = sum L_b^2``).
-    """
-    attn = 6.0 * sum_sq_seqlens * cfg.n_heads * (cfg.dim // cfg.n_heads) * cfg.n_layers
-    return 6.0 * n_params_no_embedding * n_tokens + attn

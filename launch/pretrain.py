@@ -23,6 +23,12 @@ ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
 params, fp32 reduction), one all-reduce of the flat gradient on CPU
 (``--fsdp on`` uses FSDP2 on CPU too).
 ``python -m cp_rope.launch.pretrain --help`` lists every flag.
+
+The trainer in four named steps: :func:`set_up` (process group, mesh, data,
+model, :func:`cp_rope.launch.parallelize.parallelize`, optimizer, resume),
+:func:`train_loop` (:func:`train_step` per batch, logging, checkpoints,
+signals), :func:`summarize` (the run's loss and throughput), and :func:`run`,
+which calls them; :func:`main` adds the command line (:mod:`cp_rope.launch.cli`).
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import signal
 import sys
 import time
 import warnings
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,80 +52,25 @@ from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import has_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
-from .config import (
-    ConfigError,
-    OptimConfig,
-    PretrainConfig,
-    check_resume_config,
-    parse_args,
-    to_dict,
-    validate,
-)
+from .cli import parse_args
+from .config import ConfigError, PretrainConfig, check_resume_config, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
-from .metrics import MetricsLogger, peak_memory_gib, peak_tflops
-from .model import Transformer, count_params, flops_per_step
+from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
+from .model import Transformer, count_params
+from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lambda
+from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 
-__all__ = ["main", "run", "lr_lambda", "build_model", "train_step", "all_reduce_gradients"]
+__all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
+           "train_step", "all_reduce_gradients", "lr_lambda"]
 
 
 # ------------------------------------------------------------------ pieces
-def lr_lambda(cfg: OptimConfig, total_steps: int):
-    """LR multiplier for optimizer step ``s`` (0-based): linear warmup to 1 over
-    ``warmup_steps``, then cosine down to ``min_lr_ratio`` at ``total_steps``."""
-
-    def fn(s: int) -> float:
-        if s < cfg.warmup_steps:
-            return (s + 1) / cfg.warmup_steps
-        span = max(1, total_steps - cfg.warmup_steps)
-        progress = min(1.0, (s - cfg.warmup_steps) / span)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return fn
-
-
-def build_model(cfg: PretrainConfig, cp_group: dist.ProcessGroup | None, device: torch.device,
-                ) -> Transformer:
-    """The model on ``device`` with weights from ``cfg.train.seed`` (identical on every rank)."""
+def build_model(cfg: PretrainConfig, device: torch.device) -> Transformer:
+    """The unparallelized model on ``device`` with weights from ``cfg.train.seed`` (identical on
+    every rank); :func:`~cp_rope.launch.parallelize.parallelize` comes next."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
-        return Transformer(cfg.model, cp_group=cp_group, cp_method=cfg.parallel.cp_method,
-                           attn_backend=cfg.parallel.attn_backend,
-                           rope_backend=cfg.parallel.rope_backend)
-
-
-def apply_fsdp(model: Transformer, flat_mesh, param_dtype: torch.dtype) -> None:
-    """FSDP2 over the flattened dp-cp mesh: one unit per block plus the root.
-
-    Parameters are sharded over all dp x cp ranks (ZeRO-3); with a bf16
-    ``param_dtype`` compute runs in bf16 on fp32 master weights and gradients
-    are reduce-scattered in fp32 (torchtitan's default policy).
-    """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    for layer in model.layers:
-        fully_shard(layer, mesh=flat_mesh, mp_policy=mp)
-    fully_shard(model, mesh=flat_mesh, mp_policy=mp)
-
-
-def all_reduce_gradients(model: torch.nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """SUM every parameter's gradient over ``group`` with one flat all-reduce (the CPU path).
-
-    Together with :func:`cp_cross_entropy`'s normalisation this gives every rank
-    the gradient of the single-process mean loss.
-    """
-    grads = [p.grad for p in model.parameters() if p.requires_grad]
-    if any(g is None for g in grads):
-        missing = [n for n, p in model.named_parameters() if p.requires_grad and p.grad is None]
-        raise RuntimeError(f"parameters without a gradient: {missing[:5]}")
-    if not dist.is_initialized() or dist.get_world_size(group) == 1:
-        return
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=group)
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+        return Transformer(cfg.model)
 
 
 def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, *,
@@ -141,25 +93,6 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
     if reduce_grads:
         all_reduce_gradients(model, reduce_group)
     return loss.detach()
-
-
-def _optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
-    no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-              {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
-
-
-def _clip_gradients(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Global gradient L2 norm over all ranks (DTensor shards included); clip when ``max_norm > 0``."""
-    params = [p for p in model.parameters() if p.grad is not None]
-    norm = torch.nn.utils.get_total_norm([p.grad for p in params], foreach=True)
-    if hasattr(norm, "full_tensor"):  # DTensor with a Partial placement under FSDP2
-        norm = norm.full_tensor()
-    if max_norm > 0:
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm, foreach=True)
-    return norm
 
 
 class _Batches:
@@ -305,33 +238,60 @@ def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
         raise ConfigError(error[0])
 
 
-# ------------------------------------------------------------------ main loop
-def run(cfg: PretrainConfig) -> dict:
-    """Train with ``cfg`` inside an initialised process group (see :func:`main`).
+# ------------------------------------------------------------------ the trainer
+@dataclass(kw_only=True)
+class Trainer:
+    """What :func:`set_up` builds and :func:`train_loop` / :func:`summarize` use."""
 
-    Returns (on every rank) ``{"losses": {step: loss}, "first_loss", "last_loss",
-    "tokens_per_s", "steps_run", "start_step", "interrupted"}`` for this invocation;
-    ``step`` counts optimizer steps from 1.
+    cfg: PretrainConfig
+    """The resolved config (vocab_size and max_seq_len filled in)."""
+    dims: ParallelDims
+    device: torch.device
+    fsdp: bool
+    """Parameters sharded with FSDP2 (else gradients all-reduced by :func:`train_step`)."""
+    model: Transformer
+    loss_group: dist.ProcessGroup
+    """All dp x cp ranks: the loss averages and the gradients sum over them."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    batches: _Batches
+    log: MetricsLogger
+    throughput: Throughput
+    step: int
+    """Optimizer steps done (the resumed step at first)."""
+    start_step: int
+    losses: dict[int, float] = field(default_factory=dict)
+    """Loss of each step of this invocation (1-based step numbers)."""
+    interrupted: int = 0
+    """The signal that stopped the loop, 0 if none."""
 
-    Raises: ConfigError (bad field), FloatingPointError (non-finite loss or
-    gradient norm; the message names the step).
+    @property
+    def ckpt_root(self) -> str:
+        return os.path.join(self.cfg.train.out_dir, "checkpoints")
+
+
+def set_up(cfg: PretrainConfig) -> Trainer:
+    """Everything before the first step, inside an initialised process group.
+
+    Validates ``cfg`` against the world size, checks the out-dir, builds the
+    ``("dp", "cp")`` mesh, the data (corpus, dataset, this rank's loader), the
+    model (:func:`build_model`, then :func:`~cp_rope.launch.parallelize.parallelize`),
+    the optimizer and LR schedule; resumes from the newest checkpoint with
+    ``--resume``; opens the metrics log and writes ``config.json``.
+
+    Raises: ConfigError naming the field.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     validate(cfg, world)
     if rank == 0 and cfg.optim.warmup_steps > 0 and cfg.train.steps <= cfg.optim.warmup_steps:
         warnings.warn(f"train.steps={cfg.train.steps} <= optim.warmup_steps={cfg.optim.warmup_steps}: "
                       "the LR warms up for the whole run (the peak optim.lr is reached at most at "
-                      "the last step; no cosine decay); lower --warmup-steps", UserWarning, stacklevel=2)
+                      "the last step; no cosine decay); lower --warmup-steps", UserWarning, stacklevel=3)
     _prepare_out_dir(cfg, rank)
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
-    use_fsdp = cfg.parallel.fsdp == "on" or (cfg.parallel.fsdp == "auto" and device.type == "cuda")
-    dtype = {"auto": torch.bfloat16 if device.type == "cuda" else torch.float32, "float32": torch.float32,
-             "bfloat16": torch.bfloat16}[cfg.train.dtype]
     mesh = dims.build_mesh(device.type)
-    flat_mesh = dims.build_flat_mesh(device.type)
-    cp_group, loss_group = mesh["cp"].get_group(), flat_mesh.get_group()
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
 
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
@@ -342,14 +302,11 @@ def run(cfg: PretrainConfig) -> dict:
                                    pin_memory=device.type == "cuda")
     batches = _Batches(loader, sampler)
 
-    model = build_model(cfg, cp_group, device)
+    model = build_model(cfg, device)
     n_params = count_params(model)
     n_params_no_emb = count_params(model, exclude_embedding=True)
-    if use_fsdp:
-        apply_fsdp(model, flat_mesh, dtype)
-    else:
-        model.to(dtype)
-    optimizer = _optimizer(model, cfg.optim)
+    parallelize(model, mesh, cfg)
+    optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
 
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
@@ -369,103 +326,129 @@ def run(cfg: PretrainConfig) -> dict:
     if rank == 0:
         with open(os.path.join(cfg.train.out_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
+    fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
-              f"{str(dtype).removeprefix('torch.')}{' FSDP2' if use_fsdp else ''}, "
+              f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
               f"tokens ({cfg.data.data or 'python stdlib'}), {len(dataset)} examples, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
-
-    peak = peak_tflops(device, cfg.train.peak_tflops)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    start_step, losses, interrupted = step, {}, 0
-    window = torch.zeros(2, dtype=torch.float64)  # this rank's share of real tokens and sum of L^2
-    total_tokens, t_total, t_window = 0.0, 0.0, time.perf_counter()
-    first_tokens, t_first = 0.0, 0.0
-    model.train()
+    throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
+                            peak_tflops=peak_tflops(device, cfg.train.peak_tflops), device=device)
+    return Trainer(cfg=cfg, dims=dims, device=device, fsdp=fsdp, model=model,
+                   loss_group=flat_mesh(mesh).get_group(), optimizer=optimizer, scheduler=scheduler,
+                   batches=batches, log=log, throughput=throughput, step=step, start_step=step)
+
+
+def train_loop(tr: Trainer) -> None:
+    """Optimizer steps until ``train.steps`` (or ``train.stop_at_step``), a signal on any rank,
+    or an error; logs every ``log_every`` steps, checkpoints every ``checkpoint_every``.
+
+    Updates ``tr.step``, ``tr.losses`` and ``tr.interrupted``.
+
+    Raises: FloatingPointError naming the step (non-finite loss or gradient norm).
+    """
+    cfg, world, device = tr.cfg, tr.dims.world_size, tr.device
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
+    tr.model.train()
     with _StopFlag() as stop:
-        while step < last:
-            interrupted = stop.any_rank(device)
-            if interrupted:
-                log.write(f"signal {signal.Signals(interrupted).name} at step {step}: stopping")
+        while tr.step < last:
+            tr.interrupted = stop.any_rank(device)
+            if tr.interrupted:
+                tr.log.write(f"signal {signal.Signals(tr.interrupted).name} at step {tr.step}: stopping")
                 break
             t0 = time.perf_counter()
-            host_batch = next(batches)
+            host_batch = next(tr.batches)
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
             batch = host_batch.to(device, non_blocking=True)
-            optimizer.zero_grad(set_to_none=True)
-            loss = train_step(model, batch, loss_group, grad_scale=float(world) if use_fsdp else 1.0,
-                              reduce_group=loss_group, reduce_grads=not use_fsdp)
+            tr.optimizer.zero_grad(set_to_none=True)
+            loss = train_step(tr.model, batch, tr.loss_group, grad_scale=float(world) if tr.fsdp else 1.0,
+                              reduce_group=tr.loss_group, reduce_grads=not tr.fsdp)
             loss_val = float(loss)
             if not math.isfinite(loss_val):
-                raise FloatingPointError(f"non-finite loss {loss_val} at step {step + 1}")
-            grad_norm = float(_clip_gradients(model, cfg.optim.grad_clip))
+                raise FloatingPointError(f"non-finite loss {loss_val} at step {tr.step + 1}")
+            grad_norm = float(clip_gradients(tr.model, cfg.optim.grad_clip))
             if not math.isfinite(grad_norm):
-                raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {step + 1}")
-            lr = scheduler.get_last_lr()[0]
-            optimizer.step()
-            scheduler.step()
-            step += 1
-            losses[step] = loss_val
-            window += torch.stack([seq_lens.sum(), (seq_lens ** 2).sum()]) / dims.cp
-            if step > start_step + 1:  # the first step (allocator, kernel set-up) is not timed
-                total_tokens += float(seq_lens.sum()) / dims.cp
-                t_total += time.perf_counter() - t0
-            else:  # ... unless it is the only one
-                first_tokens, t_first = float(seq_lens.sum()) / dims.cp, time.perf_counter() - t0
-            log.advance(loss_val)
-            if step % cfg.train.log_every == 0 or step == last:
-                sums = window.to(device)
-                if world > 1:
-                    dist.all_reduce(sums)  # global tokens and attention work since the last log
-                tokens, sq = sums.tolist()
-                dt = time.perf_counter() - t_window
-                tps = tokens / dt
-                metrics = {"loss": loss_val, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
-                           "tokens_per_s_per_gpu": tps / world,
-                           "peak_mem_gib": peak_memory_gib(device)}
-                if peak > 0:
-                    flops = flops_per_step(cfg.model, n_params_no_emb, int(tokens), sq)
-                    metrics["mfu"] = flops / dt / (peak * 1e12 * world)
-                log.log(step, metrics)
-                log.write(f"step {step:>6}/{cfg.train.steps} | loss {loss_val:.4f} | lr {lr:.2e} | "
-                          f"grad norm {grad_norm:.3f} | "
-                          f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{device.type} | "
-                          + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
-                          + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")
-                window.zero_()
-                t_window = time.perf_counter()
-            if cfg.train.checkpoint_every and step % cfg.train.checkpoint_every == 0 \
-                    and step < last:
-                save_checkpoint(ckpt_root, step, model, optimizer, scheduler, batches.state_dict(),
-                                cfg.train.keep_checkpoints)
-    if (interrupted and cfg.train.save_on_signal) or (not interrupted and cfg.train.save_final):
-        if step > start_step or interrupted:
-            path = save_checkpoint(ckpt_root, step, model, optimizer, scheduler, batches.state_dict(),
-                                   cfg.train.keep_checkpoints)
-            log.write(f"checkpoint: {path}")
-    summary = {"losses": losses, "start_step": start_step, "steps_run": step - start_step,
-               "interrupted": bool(interrupted), "first_loss": losses.get(start_step + 1),
-               "last_loss": losses.get(step)}
-    only_first = step - start_step == 1  # no timed step: report the first, set-up included
-    tps_all = torch.tensor([first_tokens, t_first] if only_first else [total_tokens, t_total],
-                           dtype=torch.float64, device=device)
-    if world > 1:
-        dist.all_reduce(tps_all)
-    summary["tokens_per_s"] = float(tps_all[0] / (tps_all[1] / world)) if tps_all[1] > 0 else float("nan")
+                raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {tr.step + 1}")
+            lr = tr.scheduler.get_last_lr()[0]
+            tr.optimizer.step()
+            tr.scheduler.step()
+            tr.step += 1
+            tr.losses[tr.step] = loss_val
+            tr.throughput.add_step(seq_lens, time.perf_counter() - t0)
+            tr.log.advance(loss_val)
+            if tr.step % cfg.train.log_every == 0 or tr.step == last:
+                _log_step(tr, loss_val, lr, grad_norm)
+            if cfg.train.checkpoint_every and tr.step % cfg.train.checkpoint_every == 0 \
+                    and tr.step < last:
+                save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,
+                                tr.batches.state_dict(), cfg.train.keep_checkpoints)
+
+
+def _log_step(tr: Trainer, loss: float, lr: float, grad_norm: float) -> None:
+    """One metrics.jsonl line and one console line (all ranks call it: the throughput all-reduces)."""
+    window = tr.throughput.window()
+    tps, world = window["tokens_per_s"], tr.dims.world_size
+    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
+               "tokens_per_s_per_gpu": window["tokens_per_s_per_gpu"],
+               "peak_mem_gib": peak_memory_gib(tr.device)}
+    if "mfu" in window:
+        metrics["mfu"] = window["mfu"]
+    tr.log.log(tr.step, metrics)
+    tr.log.write(f"step {tr.step:>6}/{tr.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
+                 f"grad norm {grad_norm:.3f} | "
+                 f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{tr.device.type} | "
+                 + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
+                 + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")
+
+
+def summarize(tr: Trainer) -> dict:
+    """After the loop: the final (or on-signal) checkpoint, the "done:" line, the log closed.
+
+    Returns (on every rank) ``{"losses": {step: loss}, "first_loss", "last_loss",
+    "tokens_per_s", "steps_run", "start_step", "interrupted"}`` for this invocation.
+    """
+    cfg, step, start, losses = tr.cfg, tr.step, tr.start_step, tr.losses
+    if (tr.interrupted and cfg.train.save_on_signal) or (not tr.interrupted and cfg.train.save_final):
+        if step > start or tr.interrupted:
+            path = save_checkpoint(tr.ckpt_root, step, tr.model, tr.optimizer, tr.scheduler,
+                                   tr.batches.state_dict(), cfg.train.keep_checkpoints)
+            tr.log.write(f"checkpoint: {path}")
+    tokens_per_s, only_first = tr.throughput.run_tokens_per_s()
+    summary = {"losses": losses, "start_step": start, "steps_run": step - start,
+               "interrupted": bool(tr.interrupted), "first_loss": losses.get(start + 1),
+               "last_loss": losses.get(step), "tokens_per_s": tokens_per_s}
     if losses:
         tail = list(losses.values())[-10:]
-        log.write(f"done: steps {start_step + 1}..{step}: loss {summary['first_loss']:.4f} (first) -> "
-                  f"{summary['last_loss']:.4f} (last; mean of the last {len(tail)}: "
-                  f"{sum(tail) / len(tail):.4f}); {summary['tokens_per_s']:,.0f} tokens/s "
-                  f"({'1 step, set-up included; ' if only_first else ''}"
-                  f"{summary['tokens_per_s'] / world:,.0f} per rank), peak mem "
-                  f"{peak_memory_gib(device):.2f} GiB")
-    log.close()
+        tr.log.write(f"done: steps {start + 1}..{step}: loss {summary['first_loss']:.4f} (first) -> "
+                     f"{summary['last_loss']:.4f} (last; mean of the last {len(tail)}: "
+                     f"{sum(tail) / len(tail):.4f}); {tokens_per_s:,.0f} tokens/s "
+                     f"({'1 step, set-up included; ' if only_first else ''}"
+                     f"{tokens_per_s / tr.dims.world_size:,.0f} per rank), peak mem "
+                     f"{peak_memory_gib(tr.device):.2f} GiB")
+    tr.log.close()
     return summary
+
+
+def run(cfg: PretrainConfig) -> dict:
+    """Train with ``cfg`` inside an initialised process group (see :func:`main`):
+    :func:`set_up`, :func:`train_loop`, :func:`summarize`.
+
+    Returns: :func:`summarize`'s dict; ``step`` counts optimizer steps from 1.
+
+    Raises: ConfigError (bad field), FloatingPointError (non-finite loss or
+    gradient norm; the message names the step).
+    """
+    tr = set_up(cfg)
+    try:
+        train_loop(tr)
+    except BaseException:
+        tr.log.close()
+        raise
+    return summarize(tr)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -475,7 +458,7 @@ def main(argv: list[str] | None = None) -> dict:
     ``python -m cp_rope.launch.pretrain``, and when called inside an already
     initialised process group (tests), which it then leaves initialised.
     """
-    cfg = parse_args(argv, epilog=__doc__)
+    cfg = parse_args(argv, description=__doc__)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     created, _ = _setup_distributed(cfg)
     try:

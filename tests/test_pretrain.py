@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -17,16 +18,18 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 
 from cp_rope.launch import pretrain  # noqa: E402
+from cp_rope.launch.cli import parse_args  # noqa: E402
 from cp_rope.launch.config import (  # noqa: E402
+    SECTIONS,
     ConfigError,
     OptimConfig,
-    build_parser,
+    PretrainConfig,
     check_resume_config,
-    parse_args,
     to_dict,
     validate,
 )
-from cp_rope.launch.pretrain import lr_lambda, main  # noqa: E402
+from cp_rope.launch.optim import lr_lambda  # noqa: E402
+from cp_rope.launch.pretrain import main  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -152,8 +155,9 @@ def test_console_log(tmp_path, capsys):
 @pytest.mark.parametrize("argv, field", [
     (["--n-heads", "3"], "model.dim"),
     (["--n-kv-heads", "3"], "model.n_kv_heads"),
-    (["--lr", "fast"], "optim.lr"),
     (["--lr", "-1"], "optim.lr"),
+    (["--cp-method", "allgather", "--ulysses-size", "2"], "parallel.ulysses_size"),
+    (["--cp-split-threshold", "64"], "parallel.cp_split_threshold"),
     (["--seq-len", "130", "--cp-size", "4"], "data.seq_len"),
     (["--tokens-per-batch", "100", "--seq-len", "128"], "data.tokens_per_batch"),
     (["--data", "/nonexistent/corpus.jsonl"], "data.data"),
@@ -164,6 +168,31 @@ def test_bad_config_names_the_field(argv, field):
     with pytest.raises(ConfigError, match=re.escape(field)):
         main(argv)
     assert not dist.is_initialized()  # failed before any process group or data
+
+
+def test_the_message_names_field_value_and_reason():
+    with pytest.raises(ConfigError, match=r"^model\.dim=128: must be divisible by model\.n_heads=3$"):
+        validate(parse_args(["--n-heads", "3"]))
+
+
+@pytest.mark.parametrize("argv", [["--cp-method", "ulysses"], ["--cp-method", "hybrid"],
+                                  ["--cp-placement", "per_document"]])
+def test_declared_methods_not_wired_yet_are_refused(argv):
+    """The flags exist (scripts may name them); the trainer refuses them, naming the field."""
+    field = "parallel.cp_method" if argv[0] == "--cp-method" else "parallel.cp_placement"
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}='{argv[1]}': not available yet"):
+        main(argv + ["--cp-size", "2"])
+    assert not dist.is_initialized()
+
+
+def test_malformed_flag_value_is_a_usage_error_naming_the_flag(capsys):
+    """A value tyro cannot read as the field's type: exit status 2, the flag named (on stderr)."""
+    with pytest.raises(SystemExit) as exc:
+        main(["--lr", "fast"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--lr" in err and "fast" in err, err
+    assert not dist.is_initialized()
 
 
 def test_backend_the_device_cannot_run_fails_at_config_time(monkeypatch, tmp_path):
@@ -219,13 +248,35 @@ def test_presets_are_valid_and_8b_is_llama3():
         (4096, 32, 32, 8, 14336, 500000.0)
 
 
-def test_help_gives_units():
-    text = build_parser(epilog=pretrain.__doc__).format_help()
+def _help(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exc:
+        parse_args(argv + ["--help"], description=pretrain.__doc__)
+    assert exc.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_help_gives_units(capsys):
+    text = _help([], capsys)
     assert "--cp-size" in text and "--tokens-per-batch" in text and "in tokens" in text
     assert "--rdzv-endpoint" in text  # the multi-node command line
     assert "`" not in text and not re.search(r":(mod|func|class|meth|data):", text)  # no raw RST
     assert "::" not in text  # nor literal-block markers
     assert "see cp_rope.launch.model" in text and "cp_rope.parallel.cp_cross_entropy" in text
+
+
+def test_one_kebab_case_flag_per_field_and_defaults_after_preset_and_file(tmp_path, capsys):
+    """Every field has its flag without a section prefix (the names scripts and docs use); the
+    defaults --help shows are the preset's, overridden by the config file."""
+    flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", _help(["--preset", "8b"], capsys)))
+    for section in SECTIONS:
+        for f in dataclasses.fields(getattr(PretrainConfig(), section)):
+            assert "--" + f.name.replace("_", "-") in flags, f"{section}.{f.name}"
+    assert {"--preset", "--config", "--no-progress", "--no-tensorboard", "--resume"} <= flags
+    js = tmp_path / "run.json"
+    js.write_text(json.dumps({"model": {"n_layers": 7}}))
+    text = _help(["--preset", "8b", "--config", str(js)], capsys)
+    assert re.search(r"--dim INT\s.*?\(default:\s+4096\)", text, re.S), text
+    assert re.search(r"--n-layers INT\s.*?\(default:\s+7\)", text, re.S), text
 
 
 def test_lr_schedule_warmup_then_cosine():
@@ -239,7 +290,7 @@ def test_lr_schedule_warmup_then_cosine():
 def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
     """SIGTERM (scheduler) or SIGINT (Ctrl-C) mid-run: the loop stops between steps, saves a
     checkpoint, destroys the process group and exits 130."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # cp_rope from its (editable) install
     proc = subprocess.Popen(
         [sys.executable, "-m", "cp_rope.launch.pretrain", *TINY, "--steps", "100000",
          "--out-dir", str(tmp_path)],
@@ -259,7 +310,7 @@ def test_signal_saves_a_checkpoint_and_exits(tmp_path, sig):
 
 def test_torchrun_main_job(tmp_path):
     """The README's main command (torchrun, env:// rendezvous, 2 ranks, cp 2), a few steps."""
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # cp_rope from its (editable) install
     cmd = [sys.executable, "-m", "torch.distributed.run",  # = torchrun
            "--standalone", "--nproc-per-node", "2", "-m", "cp_rope.launch.pretrain",
            "--cp-size", "2", *TINY, "--steps", "3", "--out-dir", str(tmp_path)]

@@ -3,7 +3,8 @@
 Every rank builds the same global data from one seed and the single-process
 reference (``Transformer`` without CP, ``F.cross_entropy`` mean over the
 concatenation of every data-parallel rank's batch). It then runs the
-production step (:func:`cp_rope.launch.pretrain.train_step`: the CP model,
+production step (:func:`cp_rope.launch.parallelize.parallelize`, then
+:func:`cp_rope.launch.pretrain.train_step`: the CP model,
 :func:`cp_cross_entropy` over the dp x cp group, the gradient SUM) on its
 shard from :class:`PackingCollator` and asserts the loss and every
 parameter's gradient with the float32 tolerances of ``tests/utils.TOL``.
@@ -28,9 +29,15 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 from utils import assert_close  # noqa: E402
 
-from cp_rope.launch.config import ModelConfig  # noqa: E402
+from cp_rope.launch.config import (  # noqa: E402
+    ModelConfig,
+    ParallelConfig,
+    PretrainConfig,
+    TrainConfig,
+)
 from cp_rope.launch.model import Transformer  # noqa: E402
-from cp_rope.launch.pretrain import apply_fsdp, train_step  # noqa: E402
+from cp_rope.launch.parallelize import apply_fsdp, parallelize  # noqa: E402
+from cp_rope.launch.pretrain import train_step  # noqa: E402
 from cp_rope.parallel import PackingCollator, shard_batch  # noqa: E402
 from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
 
@@ -52,11 +59,11 @@ def _docs(seed: int, dp: int) -> list[list[torch.Tensor]]:
     return [[torch.randint(0, VOCAB, (n,), generator=g) for n in lengths[d % 2]] for d in range(dp)]
 
 
-def _build(cp_group, device, activation_checkpointing: bool = False):
+def _build(device):
     """fp32 weights from one seed (RoPE's kernel takes fp32/bf16/fp16, so no float64 here)."""
     torch.manual_seed(1234)
     with torch.device(device):
-        return Transformer(_model_cfg(activation_checkpointing), cp_group=cp_group)
+        return Transformer(_model_cfg())
 
 
 def _reference(docs, label_fn, device, bf16_mesh=None):
@@ -67,7 +74,7 @@ def _reference(docs, label_fn, device, bf16_mesh=None):
     """
     batch = PackingCollator(cp_size=1)([{"input_ids": x} for d in docs for x in d])
     batch = label_fn(batch).to(device)
-    model = _build(None, device)
+    model = _build(device)
     if bf16_mesh is not None:
         apply_fsdp(model, bf16_mesh, torch.bfloat16)
     logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
@@ -126,9 +133,13 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
     if labels == "one" and dp_rank != 0:
         glob = _no_label(glob)  # the one label lives in dp rank 0's batch
     batch = shard_batch(glob, cp, cp_rank).to(device)
-    model = _build(mesh["cp"].get_group(), device, activation_checkpointing=ac)
-    if fsdp:
-        apply_fsdp(model, flat, torch.bfloat16 if gpu else torch.float32)
+    # The production wiring: CP over mesh["cp"], activation checkpointing, FSDP2 or a cast.
+    model = _build(device)
+    parallelize(model, mesh, PretrainConfig(
+        model=_model_cfg(activation_checkpointing=ac),
+        parallel=ParallelConfig(cp_size=cp, fsdp="on" if fsdp else "off"),
+        train=TrainConfig(dtype="bfloat16" if gpu else "float32")))
+    assert model.cp_size == cp and all(b.checkpoint_activations == ac for b in model.layers)
     loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
@@ -169,7 +180,7 @@ def test_parity_cp2():
     # checkpointing (the ring's collectives run again in the recomputation).
     run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all"),
                                       (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp"),
-                                      (1, 2, "all", "fsdp", "ac")])
+                                      (1, 2, "all", "fsdp", "ac"), (1, 2, "one", "ac")])
 
 
 def test_parity_cp4_and_dp2_cp2():

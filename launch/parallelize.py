@@ -1,0 +1,104 @@
+"""Apply the job's parallelism to the model: :func:`parallelize` (torchtitan's shape).
+
+One function per concern, applied by :func:`parallelize` in this order:
+
+1. :func:`apply_cp` -- context parallelism: every attention layer runs
+   :func:`cp_rope.parallel.context_parallel_attention` over the mesh's ``"cp"``
+   group (and the RoPE positions of the zigzag shard). First, because it only
+   sets how attention runs, on the plain modules.
+2. :func:`apply_activation_checkpointing` -- each
+   :class:`~cp_rope.launch.model.TransformerBlock` recomputes its activations
+   in backward. Before FSDP2, so that each FSDP unit holds a checkpointed block:
+   its parameters are gathered once per forward and once per backward, and the
+   recomputation (the CP collectives included) runs inside that backward.
+3. :func:`apply_fsdp` -- FSDP2 ``fully_shard`` over all dp x cp ranks, one unit
+   per block plus the root (ZeRO-3, bf16 compute on fp32 master weights), or,
+   without FSDP (the CPU default), a plain cast to the compute dtype; the
+   gradients are then all-reduced by the step
+   (:func:`cp_rope.launch.pretrain.all_reduce_gradients`). Last, as FSDP2
+   wraps what the steps above built.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+from cp_rope.parallel.mesh import ParallelDims
+
+from .config import PretrainConfig
+from .model import Transformer
+
+__all__ = ["parallelize", "apply_cp", "apply_activation_checkpointing", "apply_fsdp",
+           "compute_dtype", "uses_fsdp", "flat_mesh"]
+
+
+def compute_dtype(cfg: PretrainConfig, device_type: str) -> torch.dtype:
+    """``train.dtype`` resolved: auto = bfloat16 on cuda, float32 elsewhere."""
+    if cfg.train.dtype == "auto":
+        return torch.bfloat16 if device_type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.train.dtype]
+
+
+def uses_fsdp(cfg: PretrainConfig, device_type: str) -> bool:
+    """``parallel.fsdp`` resolved: auto = on for cuda, off (gradient all-reduce) elsewhere."""
+    return cfg.parallel.fsdp == "on" or (cfg.parallel.fsdp == "auto" and device_type == "cuda")
+
+
+def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The 1-D ``("dp_cp",)`` mesh over every rank of the ``("dp", "cp")`` ``mesh``, in its order:
+    FSDP2 shards, gradients are reduced and the loss averages over it."""
+    dims = ParallelDims(dp=mesh.size(0), cp=mesh.size(1), world_size=mesh.size())
+    return dims.build_flat_mesh(mesh.device_type)
+
+
+def apply_cp(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
+    """Attention over ``mesh["cp"]`` with ``parallel.cp_method`` and the kernel backends."""
+    p = cfg.parallel
+    model.configure_attention(cp_group=mesh["cp"].get_group(), cp_method=p.cp_method,
+                              attn_backend=p.attn_backend, rope_backend=p.rope_backend)
+
+
+def apply_activation_checkpointing(model: Transformer) -> None:
+    """Every block recomputes its activations in backward (see
+    :class:`~cp_rope.launch.model.TransformerBlock`); parameter names are unchanged,
+    so checkpoints load with or without it."""
+    for block in model.layers:
+        block.checkpoint_activations = True
+
+
+def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
+    """FSDP2 over the 1-D ``mesh`` (all ranks): one unit per block plus the root.
+
+    Parameters are sharded over all dp x cp ranks (ZeRO-3); with a bf16
+    ``param_dtype`` compute runs in bf16 on fp32 master weights and gradients
+    are reduce-scattered in fp32 (torchtitan's default policy). The
+    reduce-scatter averages: scale the loss by the world size for a SUM.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
+    """CP wiring, then activation checkpointing, then FSDP2 (or a cast), in place.
+
+    Args:
+        model: the freshly built, unsharded model (fp32, on the mesh's device).
+        mesh: the 2-D ``("dp", "cp")`` DeviceMesh of the job
+            (:meth:`cp_rope.parallel.mesh.ParallelDims.build_mesh`).
+        cfg: ``parallel`` (CP method, backends, fsdp), ``model.activation_checkpointing``
+            and ``train.dtype`` are read.
+
+    The order and the reasons are in this module's docstring.
+    """
+    apply_cp(model, mesh, cfg)
+    if cfg.model.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    dtype = compute_dtype(cfg, mesh.device_type)
+    if uses_fsdp(cfg, mesh.device_type):
+        apply_fsdp(model, flat_mesh(mesh), dtype)
+    else:
+        model.to(dtype)
