@@ -18,10 +18,19 @@ alone.
 
 from __future__ import annotations
 
-from cp_rope.cache import rope_cache
-from cp_rope.module import RotaryEmbedding
-from cp_rope.ops import apply_rotary_emb, apply_rotary_emb_qk
-from cp_rope.positions import global_positions
+import pkgutil
+
+# A regular (non-editable) install used from the repository root: the
+# checkout's cp_rope/ comes first on sys.path (the current directory) and holds
+# neither parallel/ nor launch/, so also search the installed cp_rope/ for
+# submodules (pkgutil's documented way for a package spread over directories;
+# a no-op for an editable install or when used from elsewhere).
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from cp_rope.cache import rope_cache  # noqa: E402
+from cp_rope.module import RotaryEmbedding  # noqa: E402
+from cp_rope.ops import apply_rotary_emb, apply_rotary_emb_qk  # noqa: E402
+from cp_rope.positions import global_positions  # noqa: E402
 
 __all__ = ["global_positions", "rope_cache", "apply_rotary_emb", "apply_rotary_emb_qk",
            "RotaryEmbedding"]

@@ -150,8 +150,9 @@ def _run(args, cwd, env=None):
 
 def test_regular_install_used_from_elsewhere(tmp_path):
     """A wheel (regular, non-editable install) holds cp_rope, cp_rope.parallel and
-    cp_rope.launch only; installed into a fresh directory and used from there, it
-    imports them, and ``import parallel`` / ``import launch`` fail."""
+    cp_rope.launch only; installed into a fresh directory and used from elsewhere
+    or from a checkout, it imports them, and ``import parallel`` / ``import launch``
+    fail."""
     pytest.importorskip("setuptools")
     src = tmp_path / "src"
     src.mkdir()
@@ -187,6 +188,15 @@ def test_regular_install_used_from_elsewhere(tmp_path):
     lines = out.splitlines()
     site = str(tmp_path / "site" / "cp_rope")
     assert lines[0] == os.path.join(site, "__init__.py"), out  # the installed copy, not the repo
+    assert lines[1] == os.path.join(site, "parallel", "__init__.py"), out
+    assert lines[2] == os.path.join(site, "launch", "__init__.py"), out
+    assert lines[3:] == ["parallel refused", "launch refused"], out
+    # Used from a checkout (its cp_rope/ first on sys.path, without parallel/ or
+    # launch/ inside): cp_rope.parallel / cp_rope.launch come from the install.
+    rc, out = _run([sys.executable, "-c", code], src, env)
+    assert rc == 0, out
+    lines = out.splitlines()
+    assert lines[0] == str(src / "cp_rope" / "__init__.py"), out
     assert lines[1] == os.path.join(site, "parallel", "__init__.py"), out
     assert lines[2] == os.path.join(site, "launch", "__init__.py"), out
     assert lines[3:] == ["parallel refused", "launch refused"], out
