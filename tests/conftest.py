@@ -4,6 +4,7 @@
   any kernel module is imported), so CI on a CPU machine tests the kernel
   itself. The check does not create a CUDA context.
 * ``@pytest.mark.gpu`` tests are skipped without CUDA.
+* cp-rope must be installed (editable for development): a clear error otherwise.
 * Hypothesis: no deadlines (the Triton interpreter and process start-up are
   slow and uneven), a bounded number of examples.
 """
@@ -21,6 +22,14 @@ if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/utils.py, tests/dist_utils.py
+
+try:  # cp_rope.parallel / cp_rope.launch exist only in an install (pyproject's package-dir)
+    import cp_rope.launch  # noqa: F401
+    import cp_rope.parallel  # noqa: F401
+except ModuleNotFoundError as exc:
+    raise pytest.UsageError(
+        f"{exc}: install cp-rope first (bash scripts/setup.sh, or without network "
+        "`pip install --no-deps --no-build-isolation -e .`); PYTHONPATH=. is not enough") from exc
 
 try:
     from hypothesis import settings
