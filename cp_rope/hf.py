@@ -1,0 +1,439 @@
+"""Packed context parallelism for Hugging Face transformers models (extra ``hf``).
+
+Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, GQA
+included) into a packed, context-parallel one::
+
+    from cp_rope.hf import model_inputs, patch_model
+    from cp_rope.parallel import PackingCollator, cp_cross_entropy
+
+    model = patch_model(model, group=cp_group, method="ring")       # once
+    batch = PackingCollator(cp_size=C, cp_rank=r)(examples)          # this rank's zigzag shard
+    logits = model(**model_inputs(batch)).logits[0]                  # [T_local, V]
+    loss = cp_cross_entropy(logits, batch.labels, group)             # never labels=...
+    loss.backward()                                                  # then SUM gradients over group
+
+* The attention implementation ``"cp_rope"`` (registered in transformers'
+  ``AttentionInterface`` when this module is imported) runs
+  :func:`cp_rope.parallel.context_parallel_attention` on the packed rows of
+  the ``[1, T]`` batch: causal inside every document, exact across the CP
+  ranks, with the group, method and backend of the model's patch.
+* ``rope_kernel=True`` swaps the family's ``apply_rotary_pos_emb`` for a
+  dispatcher that runs cp_rope's THD kernel (q and k in one launch, the CP
+  position formula in-kernel, float64-exact cos/sin tables from
+  :func:`cp_rope.rope_cache` and the config's rope dict). It acts only on the
+  calls of patched models (their rotary embedding hands it a
+  :class:`PackedRope`); every other model of the family runs the original.
+  Its result equals the model's own RoPE at the zigzag global positions (the
+  patch checks the model's ``inv_freq`` and ``attention_scaling`` against
+  cp_rope's tables and refuses what it cannot reproduce, e.g. ``dynamic``).
+  With ``rope_kernel=False`` the model's own rotary embedding runs on the
+  global ``position_ids``, which is right too.
+* Labels: a :class:`~cp_rope.parallel.PackedBatch`'s labels are already the
+  next token inside each document (shifted on the global batch, before
+  sharding). transformers' loss would shift them again, and average per rank
+  only: a patched model refuses ``labels=``; compute the loss with
+  :func:`cp_rope.parallel.cp_cross_entropy` on the logits.
+
+transformers is imported here only (the one compat door): ``import
+cp_rope.hf`` raises ImportError naming the fix when it is missing or older
+than :data:`MIN_TRANSFORMERS`.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import typing
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from cp_rope.cache import inv_freq as _cp_inv_freq
+from cp_rope.cache import rope_cache
+from cp_rope.ops import apply_rotary_emb_qk
+from cp_rope.parallel import PackedBatch, context_parallel_attention
+from cp_rope.parallel import attention as _attention
+from cp_rope.positions import global_positions
+from cp_rope.validation import check_bool, check_choice, content_checks_enabled
+
+# --------------------------------------------------------------------------- compat door
+MIN_TRANSFORMERS = "5.0"
+
+
+def _check_transformers_version(version: str) -> None:
+    """ImportError unless ``version`` (e.g. ``"5.24.0"``, ``"5.1.0.dev0"``) >= :data:`MIN_TRANSFORMERS`."""
+    match = re.match(r"(\d+)\.(\d+)", version)
+    found = tuple(int(x) for x in match.groups()) if match else (0, 0)
+    if found < tuple(int(x) for x in MIN_TRANSFORMERS.split(".")):
+        raise ImportError(
+            f"cp_rope.hf needs transformers>={MIN_TRANSFORMERS} (rope dicts in "
+            f"config.rope_parameters, AttentionInterface); found {version}: "
+            f"pip install -U 'transformers>={MIN_TRANSFORMERS}' (or pip install 'cp-rope[hf]')")
+
+
+try:
+    import transformers
+except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
+    raise ImportError(
+        "cp_rope.hf needs transformers, which is not installed: pip install 'cp-rope[hf]' "
+        f"(transformers>={MIN_TRANSFORMERS})") from exc
+_check_transformers_version(transformers.__version__)
+
+from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
+from transformers.models.llama import modeling_llama  # noqa: E402
+from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
+from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+
+# model_type -> (modeling module, attention class name, rotary embedding class name)
+_FAMILIES = {
+    "llama": (modeling_llama, "LlamaAttention", "LlamaRotaryEmbedding"),
+    "mistral": (modeling_mistral, "MistralAttention", "MistralRotaryEmbedding"),
+    "qwen2": (modeling_qwen2, "Qwen2Attention", "Qwen2RotaryEmbedding"),
+    "qwen3": (modeling_qwen3, "Qwen3Attention", "Qwen3RotaryEmbedding"),
+}
+SUPPORTED_FAMILIES = tuple(_FAMILIES)
+ATTN_IMPLEMENTATION = "cp_rope"
+
+__all__ = ["patch_model", "unpatch_model", "model_inputs", "PackedRope", "CPRopePatch",
+           "SUPPORTED_FAMILIES", "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS"]
+
+_USE_LOSS = ("compute the loss as cp_rope.parallel.cp_cross_entropy(model(**model_inputs(batch))"
+             ".logits[0], batch.labels, group)")
+
+
+# --------------------------------------------------------------------------- the patch
+@dataclass(eq=False)
+class CPRopePatch:
+    """What :func:`patch_model` attached to a model (``model.cp_rope_patch``)."""
+
+    group: dist.ProcessGroup | None
+    cp_size: int
+    cp_rank: int
+    method: str
+    backend: str
+    rope_kernel: bool
+    scaling: dict | None = None  # the config's rope dict (rope_kernel)
+    rotary_dim: int = 0
+    _tables: dict = field(default_factory=dict)  # device -> (cos, sin), float32
+    _current: tuple | None = None  # (cu_seqlens, max_seqlen) of the forward in flight
+    _handles: list = field(default_factory=list)
+    _modules: list = field(default_factory=list)
+    _attn_before: str | None = None
+
+    def tables(self, device: torch.device, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin ``[P, rotary_dim // 2]`` on ``device``, ``P >= n_positions``."""
+        cached = self._tables.get(device)
+        if cached is None or cached[0].shape[0] < n_positions:
+            size = 1 << max(n_positions - 1, 1).bit_length()  # grow by powers of two
+            self._tables[device] = rope_cache(size, self.rotary_dim, scaling=self.scaling,
+                                              device=device)
+        return self._tables[device]
+
+
+@dataclass(eq=False)
+class PackedRope:
+    """Stands in for ``(cos, sin)`` inside a patched model: the family's swapped
+    ``apply_rotary_pos_emb`` applies cp_rope's kernel with it.
+
+    Fields: float32 tables ``[P, rotary_dim // 2]``, the local int32
+    ``cu_seqlens [B + 1]``, ``max_seqlen`` (local, host int), ``cp_size``, ``cp_rank``.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    cu_seqlens: torch.Tensor
+    max_seqlen: int
+    cp_size: int
+    cp_rank: int
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]`` (transformers' layout) -> the same, rotated."""
+        if q.dim() != 4 or q.shape[0] != 1:
+            raise ValueError(f"q: a patched model runs packed rows [1, H, T, D]; got {tuple(q.shape)}")
+        out_q, out_k = apply_rotary_emb_qk(
+            q[0].transpose(0, 1), k[0].transpose(0, 1), self.cos, self.sin, self.cu_seqlens,
+            max_seqlen=self.max_seqlen, cp_size=self.cp_size, cp_rank=self.cp_rank)
+        return out_q.transpose(0, 1).unsqueeze(0), out_k.transpose(0, 1).unsqueeze(0)
+
+
+def _rope_dispatcher(original):
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
+        if isinstance(cos, PackedRope):
+            if unsqueeze_dim != 1 or args or kwargs:
+                raise ValueError("cp_rope.hf's RoPE kernel expects transformers' [B, H, T, D] "
+                                 f"q/k (unsqueeze_dim=1); got unsqueeze_dim={unsqueeze_dim}")
+            return cos.apply(q, k)
+        return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
+
+    apply_rotary_pos_emb.cp_rope_original = original
+    apply_rotary_pos_emb.__doc__ = original.__doc__
+    return apply_rotary_pos_emb
+
+
+def _install_rope_dispatcher(module) -> None:
+    if not hasattr(module.apply_rotary_pos_emb, "cp_rope_original"):
+        module.apply_rotary_pos_emb = _rope_dispatcher(module.apply_rotary_pos_emb)
+
+
+# --------------------------------------------------------------------------- attention
+def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
+                      value: torch.Tensor, attention_mask: torch.Tensor | None, *,
+                      scaling: float | None = None, dropout: float = 0.0,
+                      sliding_window: int | None = None, **kwargs):
+    """transformers attention function ``"cp_rope"``.
+
+    Args (transformers' interface): query ``[1, Hq, T, D]``, key/value
+    ``[1, Hkv, T, D]`` (this rank's packed rows), ``cu_seq_lens_q`` (local
+    int32 ``[B + 1]``) and ``max_length_q`` in ``kwargs`` (from
+    :func:`model_inputs`), ``scaling`` the softmax scale.
+
+    Returns: ``([1, T, Hq, D], None)``.
+
+    Raises: RuntimeError on a model :func:`patch_model` did not patch;
+    ValueError without ``cu_seq_lens_q``, with a batch dim other than 1, a 4-D
+    attention mask, dropout, or documents longer than a sliding window.
+    """
+    patch = getattr(module, "cp_rope_patch", None)
+    if patch is None:
+        raise RuntimeError("attn_implementation 'cp_rope' on a model that cp_rope.hf.patch_model "
+                           "did not patch: call patch_model(model, group=...) (models built from "
+                           "one config object share it: give the other one a copy.deepcopy)")
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    if cu is None or max_len is None:
+        raise ValueError("cu_seq_lens_q / max_length_q missing: call model(**cp_rope.hf."
+                         "model_inputs(batch)) with a PackedBatch")
+    if query.shape[0] != 1:
+        raise ValueError(f"query: packed rows have batch size 1, got {tuple(query.shape)}")
+    if attention_mask is not None:
+        raise ValueError("attention_mask: packed rows carry no mask (documents come from "
+                         "cu_seq_lens_q)")
+    if dropout:
+        raise ValueError(f"dropout={dropout}: CP attention has no attention dropout; set "
+                         "config.attention_dropout = 0")
+    if sliding_window is not None and int(max_len) * patch.cp_size > sliding_window:
+        raise ValueError(f"sliding_window={sliding_window}: a document of up to "
+                         f"{int(max_len) * patch.cp_size} tokens needs sliding-window attention, "
+                         "which cp_rope does not implement (set config.sliding_window = None to "
+                         "attend to the whole document, or cut documents to the window)")
+    out = context_parallel_attention(
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
+        max_len, group=patch.group, causal=True, softmax_scale=scaling, method=patch.method,
+        backend=patch.backend)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, cp_rope_attention)
+
+
+# --------------------------------------------------------------------------- patch_model
+def _family(model) -> tuple:
+    if not isinstance(model, PreTrainedModel):
+        raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in _FAMILIES:
+        raise ValueError(f"model: model_type {model_type!r} is not supported by cp_rope.hf "
+                         f"(supported: {', '.join(SUPPORTED_FAMILIES)}); its attention and RoPE "
+                         "code would need checking before CP can run it")
+    return _FAMILIES[model_type]
+
+
+def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
+    """Fill ``patch.scaling``/``rotary_dim`` and check cp_rope reproduces the model's RoPE."""
+    scaling = getattr(config, "rope_parameters", None)
+    hint = "; pass rope_kernel=False to keep the model's own rotary embedding"
+    if not isinstance(scaling, dict) or "rope_theta" not in scaling:
+        raise ValueError(f"rope_kernel=True: config.rope_parameters {scaling!r} is not one "
+                         f"flat rope dict{hint}")
+    theirs = rotary.inv_freq
+    patch.scaling, patch.rotary_dim = dict(scaling), 2 * theirs.numel()
+    try:
+        ours, scale = _cp_inv_freq(patch.rotary_dim, scaling=patch.scaling)
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"rope_kernel=True: {exc}{hint}") from exc
+    if theirs.is_meta:  # not materialised yet (meta-device init): nothing to compare
+        return
+    # transformers' inv_freq is float32: off by up to eps32 * ln(base) relative (pow)
+    rtol = 4 * torch.finfo(torch.float32).eps * (1 + math.log(float(scaling["rope_theta"])))
+    their_scale = float(getattr(rotary, "attention_scaling", 1.0))
+    if (not torch.allclose(ours, theirs.detach().double().cpu(), rtol=rtol, atol=0.0)
+            or abs(scale - their_scale) > 1e-6 * abs(their_scale)):
+        raise ValueError(f"rope_kernel=True: cp_rope.rope_cache does not reproduce this model's "
+                         f"RoPE (rope dict {scaling}){hint}")
+
+
+def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
+                method: str = "ring", backend: str = "auto",
+                rope_kernel: bool = True) -> PreTrainedModel:
+    """Make ``model`` run packed rows with context parallelism over ``group`` (in place).
+
+    Sets the attention implementation to ``"cp_rope"``, and with
+    ``rope_kernel`` replaces the rotation by cp_rope's kernel (see the module
+    docstring). The patched model's forward takes :func:`model_inputs` and
+    returns logits ``[1, T_local, V]``; it refuses ``labels=``,
+    ``attention_mask=`` and ``use_cache=True`` (it sets ``use_cache=False``),
+    and checks (CPU tensors, or ``CP_ROPE_DEBUG=1``) that ``position_ids`` are
+    this rank's zigzag positions. Calling it again with the same group updates
+    method, backend and rope_kernel.
+
+    Args:
+        model: a transformers ``PreTrainedModel`` of a supported family
+            (:data:`SUPPORTED_FAMILIES`), e.g. ``LlamaForCausalLM``.
+        group: the CP process group; ``None``: no CP (one rank).
+        method, backend: passed to :func:`cp_rope.parallel.context_parallel_attention`.
+        rope_kernel: use cp_rope's RoPE kernel instead of the model's rotation.
+
+    Returns: ``model`` itself (``model.cp_rope_patch`` holds the settings).
+
+    Raises:
+        TypeError: ``model`` not a ``PreTrainedModel``; ``rope_kernel`` not a bool.
+        ValueError: unsupported family; a model already patched for another group
+            (:func:`unpatch_model` first); unknown method/backend; a rope dict that
+            cp_rope cannot reproduce with ``rope_kernel=True``.
+    """
+    module, attn_name, rotary_name = _family(model)
+    rope_kernel = check_bool("rope_kernel", rope_kernel)
+    method = check_choice("method", method, typing.get_args(_attention.Method))
+    backend = check_choice("backend", backend, typing.get_args(_attention.BackendName))
+    old = getattr(model, "cp_rope_patch", None)
+    if old is not None:
+        if old.group is not group:
+            raise ValueError("model: already patched by cp_rope.hf.patch_model for another "
+                             "process group; call cp_rope.hf.unpatch_model(model) first (or "
+                             "patch a fresh copy)")
+        unpatch_model(model)
+    if group is not None and dist.get_world_size(group) > 1:
+        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
+    else:
+        cp_size, cp_rank = 1, 0
+    patch = CPRopePatch(group=group, cp_size=cp_size, cp_rank=cp_rank, method=method,
+                        backend=backend, rope_kernel=rope_kernel,
+                        _attn_before=model.config._attn_implementation)
+    attn_cls, rotary_cls = getattr(module, attn_name), getattr(module, rotary_name)
+    rotaries = [m for m in model.modules() if isinstance(m, rotary_cls)]
+    attns = [m for m in model.modules() if isinstance(m, attn_cls)]
+    if len(rotaries) != 1 or not attns:
+        raise ValueError(f"model: expected one {rotary_name} and some {attn_name} modules, "
+                         f"found {len(rotaries)} and {len(attns)}")
+    decoder = next(m for m in model.modules() if getattr(m, "rotary_emb", None) is rotaries[0])
+    if rope_kernel:
+        _check_rope(patch, rotaries[0], model.config)
+        _install_rope_dispatcher(module)
+        patch._handles.append(rotaries[0].register_forward_hook(
+            lambda mod, args, out: _packed_rope(patch, args, out)))
+    for m in attns:
+        m.cp_rope_patch = patch
+    patch._modules = attns
+    patch._handles.append(decoder.register_forward_pre_hook(
+        lambda mod, args, kwargs: _before_forward(patch, args, kwargs), with_kwargs=True))
+    patch._handles.append(decoder.register_forward_hook(
+        lambda *_: setattr(patch, "_current", None), always_call=True))
+    if decoder is not model:
+        patch._handles.append(model.register_forward_pre_hook(_refuse_labels, with_kwargs=True))
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.cp_rope_patch = patch
+    return model
+
+
+def unpatch_model(model: PreTrainedModel) -> PreTrainedModel:
+    """Undo :func:`patch_model` (the attention implementation it replaced comes back)."""
+    patch = getattr(model, "cp_rope_patch", None)
+    if patch is None:
+        raise ValueError("model: not patched by cp_rope.hf.patch_model")
+    for h in patch._handles:
+        h.remove()
+    for m in patch._modules:
+        del m.cp_rope_patch
+    model.set_attn_implementation(patch._attn_before)
+    del model.cp_rope_patch
+    return model
+
+
+def _refuse_labels(module, args, kwargs):
+    if len(args) > 1:
+        raise TypeError("a patched model takes its inputs as keywords: "
+                        "model(**cp_rope.hf.model_inputs(batch))")
+    if kwargs.get("labels") is not None:
+        raise ValueError("labels: a PackedBatch's labels are already shifted inside each "
+                         "document and transformers' loss would shift them again and average "
+                         f"per rank; call the model without labels and {_USE_LOSS}")
+
+
+def _before_forward(patch: CPRopePatch, args, kwargs):
+    _refuse_labels(None, args, kwargs)
+    cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
+    pos = kwargs.get("position_ids")
+    if cu is None or max_len is None or pos is None:
+        raise ValueError("cu_seq_lens_q / max_length_q / position_ids missing: a patched model "
+                         "runs packed rows: call model(**cp_rope.hf.model_inputs(batch))")
+    if kwargs.get("attention_mask") is not None:
+        raise ValueError("attention_mask: packed rows carry no mask (documents come from "
+                         "cu_seq_lens_q); leave it out")
+    if kwargs.get("use_cache"):
+        raise ValueError("use_cache=True: a patched model trains on packed CP rows and keeps "
+                         "no KV cache")
+    kwargs["use_cache"] = False
+    if content_checks_enabled(pos) and content_checks_enabled(cu):
+        _check_positions(patch, pos, cu)
+    patch._current = (cu, int(max_len))
+    return args, kwargs
+
+
+def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor) -> None:
+    C = patch.cp_size
+    if pos.dim() != 2 or pos.shape[0] != 1:
+        raise ValueError(f"position_ids must be [1, T], got {tuple(pos.shape)}")
+    want = global_positions(cu, C, patch.cp_rank).to(pos.device)
+    n = want.numel()
+    if pos.shape[1] >= n and torch.equal(pos[0, :n], want):
+        return
+    for r in range(C):
+        if pos.shape[1] >= n and torch.equal(pos[0, :n], global_positions(cu, C, r)):
+            raise ValueError(f"batch: position_ids are cp_rank {r}'s zigzag positions but this "
+                             f"rank is cp_rank {patch.cp_rank} of the patch's group: build each "
+                             f"rank's shard with PackingCollator(cp_size={C}, cp_rank=<rank in "
+                             "the CP group>)")
+    raise ValueError(f"batch: position_ids are not the zigzag positions of cu_seq_lens_q for "
+                     f"cp_size={C}, cp_rank={patch.cp_rank} (a batch sharded for another CP "
+                     "size or rank?): use model_inputs(batch) of this rank's PackedBatch")
+
+
+def _packed_rope(patch: CPRopePatch, args, out):
+    if patch._current is None:  # called outside the model's forward: leave it alone
+        return out
+    cu, max_len = patch._current
+    cos, sin = patch.tables(out[0].device, max(max_len * patch.cp_size, 1))
+    rope = PackedRope(cos, sin, cu, max_len, patch.cp_size, patch.cp_rank)
+    return rope, rope
+
+
+# --------------------------------------------------------------------------- inputs
+def model_inputs(batch: PackedBatch) -> dict:
+    """Keyword arguments for ``model(**...)`` from this rank's :class:`PackedBatch`.
+
+    Returns: ``input_ids`` int64 ``[1, T]``, ``position_ids`` int64 ``[1, T]``
+    (global positions: right for transformers' own rotary embedding too),
+    ``cu_seq_lens_q``/``cu_seq_lens_k`` (the local int32 ``cu_seqlens [B + 1]``)
+    and ``max_length_q``/``max_length_k`` (host int, the longest local
+    sequence): the packed-sequence keys of transformers'
+    ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``. No labels:
+    compute the loss with :func:`cp_rope.parallel.cp_cross_entropy`.
+
+    Raises: TypeError if ``batch`` is not a ``PackedBatch``; ValueError for a
+    per-document placement (not supported here yet).
+    """
+    if not isinstance(batch, PackedBatch):
+        raise TypeError(f"batch must be a cp_rope.parallel.PackedBatch, got {type(batch).__name__}")
+    if getattr(batch, "placement", None) is not None:
+        raise ValueError("batch: per-document placement is not supported by cp_rope.hf; build "
+                         "the batch with placement='zigzag'")
+    return {
+        "input_ids": batch.input_ids.unsqueeze(0),
+        "position_ids": batch.position_ids.unsqueeze(0),
+        "cu_seq_lens_q": batch.cu_seqlens,
+        "cu_seq_lens_k": batch.cu_seqlens,
+        "max_length_q": int(batch.max_seqlen),
+        "max_length_k": int(batch.max_seqlen),
+    }
