@@ -24,8 +24,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # folder -> import name (pyproject.toml's package-dir)
 PACKAGES = {"cp_rope": "cp_rope", "parallel": "cp_rope.parallel", "launch": "cp_rope.launch"}
 MAX_LINES = 500
-# Folders whose modules must stay under MAX_LINES (launch/ joins once the trainer split lands).
-SIZE_CHECKED = ("cp_rope", "parallel")
+# Folders whose modules must stay under MAX_LINES.
+SIZE_CHECKED = ("cp_rope", "parallel", "launch")
 
 
 def _modules() -> dict[str, str]:
