@@ -41,6 +41,8 @@ import os
 import shutil
 import signal
 import sys
+import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -51,9 +53,15 @@ import torch.distributed as dist
 from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
-from .checkpoint import has_checkpoints, latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    check_checkpoint_space,
+    has_checkpoints,
+    load_checkpoint,
+    resume_checkpoint,
+    save_checkpoint,
+)
 from .cli import parse_args
-from .config import ConfigError, PretrainConfig, check_resume_config, to_dict, validate
+from .config import SECTIONS, ConfigError, PretrainConfig, check_resume_config, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
 from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params
@@ -129,24 +137,66 @@ class _Batches:
 
 
 class _StopFlag:
-    """SIGTERM / SIGINT set a flag that the loop checks (agreed on by all ranks) between steps."""
+    """SIGTERM / SIGINT set a flag that the loop checks (agreed on by all ranks) between steps.
 
-    def __init__(self):
+    A rank waiting in a collective for a dead or hung peer never gets back to
+    the Python loop (nor runs a Python signal handler), so the flag alone would
+    wait for the process-group timeout or the scheduler's SIGKILL. With
+    ``grace_s > 0`` the signal also wakes a watchdog thread (through
+    :func:`signal.set_wakeup_fd`, written by the C-level handler): unless the
+    loop has taken the stop (:meth:`take`) within ``grace_s`` seconds, it
+    prints why and exits the process with status 128 + signal, without a
+    checkpoint (the previous one stays valid).
+    """
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, grace_s: float = 0.0):
         self.signum = 0
+        self.grace_s = grace_s
         self._old = {}
+        self._taken = threading.Event()
+        self._wakeup = None  # (read fd, write fd, previous wakeup fd)
 
     def __enter__(self):
-        for sig in (signal.SIGTERM, signal.SIGINT):
+        for sig in self._SIGNALS:
             self._old[sig] = signal.signal(sig, self._handle)
+        if self.grace_s > 0:
+            r, w = os.pipe()
+            os.set_blocking(w, False)
+            self._wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
+            threading.Thread(target=self._watch, args=(r,), daemon=True, name="stop-watchdog").start()
         return self
 
     def _handle(self, signum, frame):
         self.signum = signum
         signal.signal(signum, self._old.get(signum, signal.SIG_DFL))  # a second signal: default
 
+    def _watch(self, fd: int) -> None:
+        try:
+            while data := os.read(fd, 64):  # b"" once __exit__ closes the write end
+                sig = next((b for b in data if b in self._SIGNALS), None)
+                if sig is None or self._taken.wait(self.grace_s):
+                    continue
+                os.write(2, (f"rank {dist.get_rank() if dist.is_initialized() else 0}: "
+                             f"{signal.Signals(sig).name}: the current step did not finish within "
+                             f"{self.grace_s:g} s (--stop-grace-s; a rank stuck in a collective?): "
+                             "exiting without a checkpoint\n").encode())
+                os._exit(128 + sig)
+        finally:
+            os.close(fd)
+
+    def take(self) -> None:
+        """The loop has seen the stop: the watchdog stands down (the save may take its time)."""
+        self._taken.set()
+
     def __exit__(self, *exc):
         for sig, old in self._old.items():
             signal.signal(sig, old)
+        if self._wakeup is not None:
+            r, w, previous = self._wakeup
+            signal.set_wakeup_fd(previous)
+            os.close(w)
 
     def any_rank(self, device: torch.device) -> int:
         flag = torch.tensor([self.signum], device=device)
@@ -189,6 +239,37 @@ def _resolve(cfg: PretrainConfig, vocab_size: int) -> PretrainConfig:
     return cfg
 
 
+def _check_out_dir(out: str) -> None:
+    """ConfigError naming ``--out-dir`` unless ``out`` is (or can be made) a writable directory."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ConfigError(f"--out-dir {out!r}: exists and is not a directory")
+    try:
+        os.makedirs(out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        raise ConfigError(f"--out-dir {out!r}: cannot be created or written "
+                          f"({exc.strerror or exc})") from None
+
+
+def _saved_config(path: str) -> dict:
+    """The earlier run's ``config.json`` for :func:`check_resume_config`; ConfigError naming the
+    file when it is missing, not JSON or not a config (the resume check cannot be skipped)."""
+    fix = "restore it, or start a new run (--overwrite or another --out-dir)"
+    if not os.path.isfile(path):
+        raise ConfigError(f"--resume: {path} is missing, so the fields a resume must keep "
+                          f"cannot be checked against the checkpoints' run; {fix}")
+    try:
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--resume: {path} is not valid JSON ({exc}); {fix}") from None
+    if not isinstance(saved, dict) or not all(isinstance(saved.get(s, {}), dict) for s in SECTIONS):
+        raise ConfigError(f"--resume: {path} is not a config this trainer wrote (an object of "
+                          f"sections {list(SECTIONS)}); {fix}")
+    return saved
+
+
 def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
     """A resumed run must keep the checkpoint's config (:func:`check_resume_config`
     against out_dir/config.json); a fresh run (no ``--resume``) must not mix with
@@ -198,30 +279,27 @@ def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
     ones (by step) and its metrics.jsonl truncated. With ``--overwrite`` rank 0
     deletes them (and the TensorBoard events) first; otherwise ConfigError,
     decided on rank 0 (before this run writes anything) and raised on every
-    rank, before any heavy work.
+    rank, before any heavy work. With checkpoints to resume, ``config.json`` must
+    be there and readable (else the check could not be made). The out-dir must
+    be a writable directory (ConfigError naming ``--out-dir`` and the path).
     """
     out = cfg.train.out_dir
     ckpt_root, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
     multi = dist.is_initialized() and dist.get_world_size() > 1
-    if cfg.train.overwrite and not cfg.train.resume:
-        if rank == 0:
-            shutil.rmtree(ckpt_root, ignore_errors=True)
-            shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
-            if os.path.isfile(metrics):
-                os.remove(metrics)
-        if multi:
-            dist.barrier()
-        return
     # Rank 0 decides and every rank raises the same error: a rank that looks later
     # would otherwise see the files rank 0 has started writing for this very run.
     error: list[str | None] = [None]
     if rank == 0:
         try:
-            if cfg.train.resume:
-                saved = os.path.join(out, "config.json")
-                if latest_checkpoint(ckpt_root) is not None and os.path.isfile(saved):
-                    with open(saved) as f:
-                        check_resume_config(json.load(f), cfg)
+            _check_out_dir(out)
+            if cfg.train.overwrite and not cfg.train.resume:
+                shutil.rmtree(ckpt_root, ignore_errors=True)
+                shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
+                if os.path.isfile(metrics):
+                    os.remove(metrics)
+            elif cfg.train.resume:
+                if has_checkpoints(ckpt_root):
+                    check_resume_config(_saved_config(os.path.join(out, "config.json")), cfg)
             else:
                 found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
                                                   ("metrics.jsonl", os.path.isfile(metrics))) if there]
@@ -310,8 +388,12 @@ def set_up(cfg: PretrainConfig) -> Trainer:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
 
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
+    t = cfg.train
+    if t.save_final or t.checkpoint_every or t.save_on_signal:  # fail now, not at the first save
+        check_checkpoint_space(ckpt_root, model, optimizer)
     step = 0
-    resume_from = latest_checkpoint(ckpt_root) if cfg.train.resume else None
+    # the newest checkpoint that verifies; newer damaged ones are reported, then replaced
+    resume_from, skipped = resume_checkpoint(ckpt_root) if cfg.train.resume else (None, [])
     if resume_from is not None:
         step, sampler_state = load_checkpoint(resume_from, model, optimizer, scheduler,
                                               batches.state_dict())
@@ -326,6 +408,8 @@ def set_up(cfg: PretrainConfig) -> Trainer:
     if rank == 0:
         with open(os.path.join(cfg.train.out_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
+    for path, reason in skipped:
+        log.write(f"skipped {path}: {reason}")
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
               f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
@@ -354,10 +438,11 @@ def train_loop(tr: Trainer) -> None:
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
     tr.model.train()
-    with _StopFlag() as stop:
+    with _StopFlag(cfg.train.stop_grace_s) as stop:
         while tr.step < last:
             tr.interrupted = stop.any_rank(device)
             if tr.interrupted:
+                stop.take()
                 tr.log.write(f"signal {signal.Signals(tr.interrupted).name} at step {tr.step}: stopping")
                 break
             t0 = time.perf_counter()
