@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -22,13 +23,16 @@ from cp_rope.launch.cli import parse_args  # noqa: E402
 from cp_rope.launch.config import (  # noqa: E402
     SECTIONS,
     ConfigError,
+    ModelConfig,
     OptimConfig,
     PretrainConfig,
     check_resume_config,
     to_dict,
     validate,
 )
+from cp_rope.launch.model import Transformer  # noqa: E402
 from cp_rope.launch.optim import lr_lambda  # noqa: E402
+from cp_rope.launch.parallelize import apply_activation_checkpointing  # noqa: E402
 from cp_rope.launch.pretrain import main  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -277,6 +281,30 @@ def test_one_kebab_case_flag_per_field_and_defaults_after_preset_and_file(tmp_pa
     text = _help(["--preset", "8b", "--config", str(js)], capsys)
     assert re.search(r"--dim INT\s.*?\(default:\s+4096\)", text, re.S), text
     assert re.search(r"--n-layers INT\s.*?\(default:\s+7\)", text, re.S), text
+
+
+def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients():
+    """parallelize's second step: each block's forward runs again in backward; the gradients
+    are those without checkpointing (same fp32 ops in the same order: bit-equal)."""
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_hidden_dim=64,
+                      vocab_size=64, max_seq_len=64)
+    ids = torch.randint(0, 64, (40,))
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    grads, calls = [], []
+    for ac in (False, True):
+        torch.manual_seed(3)
+        model = Transformer(cfg)
+        if ac:
+            apply_activation_checkpointing(model)
+        calls.append(0)
+        for block in model.layers:
+            # a pre-hook: recomputation stops early, once the tensors backward needs exist
+            block.feed_forward.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
+        model(ids, cu, 23).square().mean().backward()
+        grads.append({n: p.grad for n, p in model.named_parameters()})
+    assert calls == [2, 4], calls  # n_layers forwards, then n_layers recomputations
+    for name, g in grads[0].items():
+        assert torch.equal(g, grads[1][name]), name
 
 
 def test_lr_schedule_warmup_then_cosine():
