@@ -17,6 +17,7 @@ Options declared for methods that are not wired yet are refused in one place,
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -141,7 +142,7 @@ class TrainConfig:
     stop_at_step: int | None = None
     """Stop (saving a checkpoint) after this step although the LR schedule spans --steps, e.g. to fit a job time limit; resume later with --resume."""
     seed: int = 0
-    """Seed of the weight init and the data order."""
+    """Seed of the weight init and the data order (>= 0)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """auto = cuda when available (NCCL), else cpu (gloo)."""
     dtype: Literal["auto", "float32", "bfloat16"] = "auto"
@@ -162,6 +163,8 @@ class TrainConfig:
     """Without --resume: delete the checkpoints and metrics.jsonl an earlier run left in out_dir (without this flag such an out_dir is an error)."""
     save_on_signal: bool = True
     """On SIGTERM / Ctrl-C, save a checkpoint before exiting."""
+    stop_grace_s: float = 20.0
+    """After SIGTERM / Ctrl-C, seconds the current step may take to finish; a rank still in it then (e.g. stuck in a collective with a dead peer) exits with status 128 + signal, without a checkpoint; 0 = wait for the step. Keep it below the scheduler's kill delay (torchrun / SLURM: 30 s)."""
     tensorboard: bool = True
     """Write TensorBoard events when the tensorboard package is installed."""
     peak_tflops: float = 0.0
@@ -258,6 +261,11 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
         ConfigError: naming the first bad field (``section.field=value: why``).
     """
     m, d, p, o, t = cfg.model, cfg.data, cfg.parallel, cfg.optim, cfg.train
+    for section in SECTIONS:  # inf / nan pass every comparison below: refuse them first
+        for f in dataclasses.fields(getattr(cfg, section)):
+            value = getattr(getattr(cfg, section), f.name)
+            _require(not isinstance(value, float) or math.isfinite(value), f"{section}.{f.name}",
+                     value, "must be finite")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
         _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
     _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
@@ -315,6 +323,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
     _require(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
     _require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
+    _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0 (NumPy seeds are unsigned)")
+    _require(t.stop_grace_s >= 0, "train.stop_grace_s", t.stop_grace_s, "must be >= 0 (0 = off)")
     _require(t.stop_at_step is None or t.stop_at_step >= 1, "train.stop_at_step", t.stop_at_step,
              "must be >= 1")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
@@ -340,8 +350,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
         _require(os.environ.get("TRITON_INTERPRET", "0") == "1", "parallel.rope_backend",
                  p.rope_backend, "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on cpu "
                  "(set before cp_rope is imported); use auto or torch")
-    _require(not (t.device == "cpu" and t.dtype == "bfloat16"), "train.dtype", t.dtype,
-             "bfloat16 training is for cuda; use float32 on cpu")
+    _require(not (t.dtype == "bfloat16" and not on_cuda), "train.dtype", t.dtype,
+             "bfloat16 training is for cuda; this run is on cpu (--device "
+             f"{t.device}{', no GPU found' if t.device == 'auto' else ''}): use float32 or auto")
 
 
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {

@@ -13,11 +13,12 @@ import os
 import resource
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
 
-from .config import ModelConfig
+from .config import ConfigError, ModelConfig
 
 __all__ = ["MetricsLogger", "Throughput", "flops_per_step", "peak_tflops", "peak_memory_gib"]
 
@@ -124,6 +125,34 @@ def peak_memory_gib(device: torch.device) -> float:
     return kib / 2**20
 
 
+def _lines_up_to(path: str, lines: list[str], step: int) -> list[str]:
+    """The records of ``metrics.jsonl`` (``lines`` of ``path``) logged at or before ``step``.
+
+    A last line that is not a record (the process died while writing it) is
+    dropped with a UserWarning: the documented repair. Any other line that is
+    not a JSON object with an integer ``"step"`` raises ConfigError naming the
+    file and the line (the file was edited or damaged; nothing is dropped silently).
+    """
+    kept = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            record = None
+        if not (isinstance(record, dict) and isinstance(record.get("step"), int)):
+            if i == len(lines):
+                warnings.warn(f"{path}: line {i} is truncated (the run stopped while writing it); "
+                              "dropped", UserWarning, stacklevel=3)
+                continue
+            raise ConfigError(f"{path}: line {i} is not a metrics record (a JSON object with an "
+                              "integer 'step'); repair or delete the file, or start a new run")
+        if record["step"] <= step:
+            kept.append(line if line.endswith("\n") else line + "\n")
+    return kept
+
+
 class MetricsLogger:
     """Writes ``metrics.jsonl`` (one object per log step) and TensorBoard scalars; rank 0 only.
 
@@ -133,7 +162,8 @@ class MetricsLogger:
         resume_step: ``None`` for a fresh run (the metrics file is created;
             the caller has checked there is none to lose), else the step a
             resumed run continues after: lines of later steps (logged after
-            that checkpoint) are dropped and the file is appended to.
+            that checkpoint) are dropped and the file is appended to; a
+            truncated last line (a crash mid-write) is dropped with a warning.
         tensorboard: write TensorBoard events when ``tensorboard`` is importable.
         total_steps, start_step, progress: the tqdm bar (stderr; shown only when
             stderr is a terminal, since its carriage returns garble a log file).
@@ -148,11 +178,11 @@ class MetricsLogger:
         os.makedirs(out_dir, exist_ok=True)
         path = os.path.join(out_dir, "metrics.jsonl")
         if resume_step is not None and os.path.isfile(path):
-            with open(path) as f:
+            with open(path, encoding="utf-8", errors="replace") as f:
                 lines = f.readlines()
-            kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= resume_step]
-            if len(kept) != len(lines):
-                with open(path, "w") as f:
+            kept = _lines_up_to(path, lines, resume_step)
+            if kept != lines:
+                with open(path, "w", encoding="utf-8") as f:
                     f.writelines(kept)
         self._file = open(path, "a" if resume_step is not None else "w")
         if tensorboard:
