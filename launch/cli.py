@@ -57,11 +57,14 @@ PROG = "torchrun --nproc-per-node N -m cp_rope.launch.pretrain"
 """The program name ``--help`` shows."""
 
 
+_PRESET_NAMES = tuple(PRESETS)  # the Literal of --preset, so that a new preset needs no edit here
+
+
 @dataclass(kw_only=True, slots=True)
 class _CommandLine:
     """Long-context pretraining with context parallelism (DP x CP DeviceMesh)."""
 
-    preset: Literal["tiny", "125m", "1b", "8b"] = "tiny"
+    preset: Literal[_PRESET_NAMES] = "tiny"
     """Named model/training preset (the lowest precedence)."""
     config: str | None = None
     """TOML or JSON file with [model], [data], [parallel], [optim], [train] tables; overrides the preset, flags override it."""
