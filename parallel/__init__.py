@@ -30,6 +30,7 @@ _EXPORTS = {
     "unshard": "sharding",
     # CP attention
     "context_parallel_attention": "attention",
+    "CPAttentionPlan": "plan",
     # loss
     "cp_cross_entropy": "loss",
     # process groups / DeviceMesh

@@ -20,6 +20,13 @@ dq / dk / dv.
 
 Backends (``name``: device, dtypes, head dims):
 
+* ``cudnn``: NVIDIA's cuDNN frontend THD ops (``nvidia-cudnn-frontend`` >=
+  1.32, the extra ``cudnn``), one varlen call per block, CUDA sm80+,
+  fp16/bf16, head dim <= 128 and a multiple of 8, GQA native. Its kernels
+  leave the rows of a segment without keys undefined and take the LSE padded
+  ``[B, H, max_q, 1]`` in the backward: the block's ``keyless_rows`` are set
+  to (0, -inf), and the merged LSE is re-padded once per block and backward.
+
 * ``reference``: pure PyTorch, any device, any floating dtype (computes in
   float64 for float64 input, else float32), any head dim; chunked over query
   rows (128 at a time) and over the key span those rows can see, so a few
@@ -36,9 +43,12 @@ Backends (``name``: device, dtypes, head dims):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
+
+from cp_rope.validation import check_choice
 
 from . import _compat
 
@@ -62,8 +72,31 @@ class Block:
     (flash's backward grid spans max_k keys; 0: the block sees no key)."""
     causal: bool
     """Causal inside segments (query and key lengths equal wherever both are non-empty)."""
-    dense: tuple[tuple[int, int, int, int], ...] | None = None
-    """Host ``(q_row0, n_q, k_row0, n_k)`` of the segments with queries and keys, when known."""
+    split_q: bool = False
+    """torch_cudnn, unmasked blocks: :attr:`dense` cuts each segment into two halves of its
+    query rows, so no dense call holds more query rows than one zigzag chunk (the cuDNN
+    backward's per-call memory, dq and its fp32 accumulator, stays at the diagonal's)."""
+    keyless_rows: torch.Tensor | None = None
+    """int64 device indices of the query rows whose segment has no key (None: there are
+    none); backends whose kernels leave such rows undefined (cuDNN) set them to (0, -inf)."""
+    cu_q_host: torch.Tensor | None = None
+    """``cu_q`` on the host, when the plan knows it (then :attr:`dense` reads no device)."""
+    cu_k_host: torch.Tensor | None = None
+
+    @functools.cached_property
+    def dense(self) -> tuple[tuple[int, int, int, int], ...]:
+        """Host ``(q_row0, n_q, k_row0, n_k)`` of the segments with queries and keys (one
+        dense call each; reads cu_q / cu_k from the device when the host copies are absent)."""
+        cq = self.cu_q_host if self.cu_q_host is not None else self.cu_q.cpu()
+        ck = self.cu_k_host if self.cu_k_host is not None else self.cu_k.cpu()
+        bq, bk = cq.tolist(), ck.tolist()
+        segs = tuple((bq[i], bq[i + 1] - bq[i], bk[i], bk[i + 1] - bk[i])
+                     for i in range(len(bq) - 1) if bq[i + 1] > bq[i] and bk[i + 1] > bk[i])
+        if self.split_q and not self.causal:
+            segs = tuple(piece for q0, nq, k0, nk in segs
+                         for piece in ((q0, nq // 2, k0, nk), (q0 + nq // 2, nq - nq // 2, k0, nk))
+                         if piece[1] > 0)
+        return segs
 
 
 def merge_partials(out1: torch.Tensor, lse1: torch.Tensor, out2: torch.Tensor,
@@ -119,6 +152,11 @@ class _Reference:
     needs_host_segments = False
     partials_in_input_dtype = False  # fp32 (fp64) math and partials for any input
     rows_per_chunk = 128
+
+    @staticmethod
+    def prepare_lse(lse):
+        """The merged LSE ``[Hq, T]`` as this backend's backward takes it (once per call)."""
+        return lse
 
     def _row_windows(self, blk: Block, n_rows: int, device):
         """Per query row, the visible key rows ``[lo, hi)`` (lo == hi: none)."""
@@ -197,6 +235,7 @@ class _Varlen:
 
     needs_host_segments = False
     partials_in_input_dtype = True
+    prepare_lse = staticmethod(_Reference.prepare_lse)
 
     def __init__(self, name, fwd, bwd):
         self.name, self._fwd, self._bwd = name, fwd, bwd
@@ -224,6 +263,7 @@ class _Cudnn:
     name = "torch_cudnn"
     needs_host_segments = True
     partials_in_input_dtype = True
+    prepare_lse = staticmethod(_Reference.prepare_lse)
 
     @staticmethod
     def _bhsd(x, row0, n):
@@ -250,14 +290,69 @@ class _Cudnn:
             del g
 
 
-BACKENDS = ("flash_attn", "torch_cudnn", "torch_flash", "reference")
+def _cudnn_bound(n: int) -> int:
+    """A max_seqlen for the cuDNN graph: a multiple of 64, at least 64 (s_q = s_kv = 1 is
+    refused by its backward; fewer distinct graphs to build and cache)."""
+    return max(64, -(-n // 64) * 64)
+
+
+class _PaddedLSE:
+    """The merged LSE ``[Hq, T]`` and its padded ``[B, Hq, S, 1]`` copies, made once per
+    block (the plan shares one Block object between the ring steps of a kind)."""
+
+    def __init__(self, lse):
+        self.lse, self._by_block = lse, {}
+
+    def padded(self, blk: Block) -> torch.Tensor:
+        got = self._by_block.get(id(blk))
+        if got is None:
+            s, n = _cudnn_bound(blk.max_q), self.lse.shape[1]
+            src = (blk.cu_q[:-1, None].to(torch.int64)
+                   + torch.arange(s, device=self.lse.device)).clamp_(max=max(n - 1, 0))
+            got = self.lse.index_select(1, src.flatten()).view(-1, *src.shape)
+            got = got.transpose(0, 1).contiguous().unsqueeze(-1)
+            self._by_block[id(blk)] = got
+        return got
+
+
+class _CudnnTHD:
+    """cuDNN frontend THD attention: one varlen call per block."""
+
+    name = "cudnn"
+    needs_host_segments = False
+    partials_in_input_dtype = True
+
+    @staticmethod
+    def prepare_lse(lse):
+        return _PaddedLSE(lse)
+
+    def forward(self, q, k, v, blk: Block, scale: float):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return [], None
+        out, lse = _compat.cudnn_thd_fwd(q, k, v, blk.cu_q, blk.cu_k, _cudnn_bound(blk.max_q),
+                                         _cudnn_bound(blk.max_k), blk.causal, scale)
+        if blk.keyless_rows is not None:  # undefined (NaN) there: no key, no contribution
+            out.index_fill_(0, blk.keyless_rows, 0.0)
+            lse.index_fill_(1, blk.keyless_rows, NEG_INF)
+        return [(0, out, lse)], None
+
+    def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return []
+        if not isinstance(lse, _PaddedLSE):
+            lse = _PaddedLSE(lse)
+        dq, dk, dv = _compat.cudnn_thd_bwd(dout, q, k, v, out, lse.padded(blk), blk.cu_q,
+                                           blk.cu_k, _cudnn_bound(blk.max_q),
+                                           _cudnn_bound(blk.max_k), blk.causal, scale)
+        return [(0, dq, 0, dk, dv)]
+
+
+BACKENDS = ("cudnn", "flash_attn", "torch_cudnn", "torch_flash", "reference")
 
 
 def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     d = q.shape[-1]
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
     if backend == "reference":
         return None
     if q.device.type != "cuda":
@@ -270,6 +365,13 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
         return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
     if backend == "torch_flash":
         return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
+    if backend == "cudnn":
+        why = _compat.cudnn_frontend_unavailable()
+        if why is not None:
+            return f"{why}; install it with {_compat.CUDNN_INSTALL}"
+        if torch.cuda.get_device_capability(q.device)[0] < 8:
+            return "needs an sm80+ GPU"
+        return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
     if backend == "torch_cudnn":
         if not _compat.torch_cudnn_available():
             return "needs cuDNN >= 9 on an sm80+ GPU with torch >= 2.6"
@@ -282,11 +384,13 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
 def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
     """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs.
 
-    ``auto`` takes flash_attn if importable, else cuDNN for a batch of one
-    sequence, else torch's flash kernels, else the reference.
+    ``auto`` takes the first that runs these inputs of: cudnn (the cuDNN frontend, if
+    importable), flash_attn (if importable), torch_cudnn (a batch of one sequence),
+    torch_flash, reference.
 
     Raises: ValueError naming the backend and the unsupported property.
     """
+    check_choice("backend", backend, ("auto", *BACKENDS))
     if backend == "auto":
         backend = next(b for b in BACKENDS if _unsupported(b, q, n_seqs) is None)
     why = _unsupported(backend, q, n_seqs)
@@ -294,6 +398,8 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
         raise ValueError(f"backend={backend!r} {why}")
     if backend == "reference":
         return _Reference()
+    if backend == "cudnn":
+        return _CudnnTHD()
     if backend == "torch_cudnn":
         return _Cudnn()
     if backend == "torch_flash":

@@ -15,12 +15,24 @@ names:
 * :func:`flash_attn_varlen_fwd` / :func:`flash_attn_varlen_bwd`: the
   ``flash_attn`` package's ``_flash_attn_varlen_forward`` / ``_backward``
   (2.6 and 2.7+ signatures), when the package is importable.
+* :func:`cudnn_thd_fwd` / :func:`cudnn_thd_bwd`: NVIDIA's cuDNN frontend
+  (``nvidia-cudnn-frontend`` >= 1.32, the optional extra ``cudnn``) torch ops
+  ``torch.ops.cudnn.sdpa_fwd`` / ``sdpa_bwd`` on THD ``[T, H, D]`` with
+  ``cu_seqlens_q/kv``: the forward returns the LSE token-major ``[T, H, 1]``
+  fp32, the backward takes it *padded* ``[B, H, max_seqlen_q, 1]`` fp32
+  (cudnn/sdpa/fwd/torch_op.py: the backend rejects a ragged LSE in the THD
+  backward). Its ``nvidia-cutlass-dsl`` dependency only speeds up the
+  metadata / LSE re-padding helpers (the frontend falls back to torch when it
+  is absent; we re-pad ourselves): install with ``pip install --no-deps``.
 * :func:`all_gather_single` / :func:`reduce_scatter_single`: torch 2.13
   renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
+* :func:`group_timeout`: a process group's timeout (its backend's private
+  ``options._timeout``), for the subgroups of hybrid CP.
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 
@@ -39,6 +51,11 @@ __all__ = [
     "torch_cudnn_available",
     "torch_cudnn_fwd",
     "torch_cudnn_bwd",
+    "CUDNN_INSTALL",
+    "cudnn_frontend_unavailable",
+    "cudnn_thd_fwd",
+    "cudnn_thd_bwd",
+    "group_timeout",
 ]
 
 
@@ -125,6 +142,64 @@ def torch_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
               cum_q, cum_k, max_q, max_k, 0.0, causal, scale=scale)
 
 
+# ----------------------------------------------------------------- cuDNN frontend (THD)
+
+_CUDNN_FRONTEND_MIN = (1, 32)
+CUDNN_INSTALL = 'pip install --no-deps "nvidia-cudnn-frontend>=1.32"  (or: pip install "cp-rope[cudnn]")'
+
+
+@functools.cache
+def _cudnn_frontend() -> tuple[object | None, str | None]:
+    """``(torch.ops.cudnn, None)``, or ``(None, why it is unusable)``."""
+    try:
+        import cudnn
+    except ImportError as exc:
+        return None, f"needs the nvidia-cudnn-frontend package, which is not importable ({exc})"
+    version = getattr(cudnn, "__version__", "0.0")
+    if _version_tuple(version) < _CUDNN_FRONTEND_MIN:
+        return None, (f"needs nvidia-cudnn-frontend >= {_CUDNN_FRONTEND_MIN[0]}."
+                      f"{_CUDNN_FRONTEND_MIN[1]} (its THD torch ops); found {version}")
+    try:
+        import cudnn.sdpa.fwd.torch_op  # noqa: F401  (registers torch.ops.cudnn.sdpa_fwd/bwd)
+    except ImportError as exc:
+        return None, f"nvidia-cudnn-frontend {version} has no THD torch ops ({exc})"
+    return torch.ops.cudnn, None
+
+
+def cudnn_frontend_unavailable() -> str | None:
+    """Why the cuDNN frontend THD ops cannot be used here (None: they can)."""
+    return _cudnn_frontend()[1]
+
+
+def _cudnn_ops():
+    ops, why = _cudnn_frontend()
+    if ops is None:
+        raise RuntimeError(f"backend='cudnn' {why}; install it with {CUDNN_INSTALL}")
+    return ops
+
+
+def cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """THD forward: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA native), int32 cu_q / cu_k.
+
+    Returns (out ``[Tq, Hq, D]`` q.dtype, lse ``[Hq, Tq]`` float32, a view of the kernel's
+    token-major stats). Rows at or beyond ``cu_q[-1]`` are left unwritten; rows of a
+    segment without keys hold NaN / garbage (callers fix both).
+    """
+    out, stats = _cudnn_ops().sdpa_fwd(
+        q, k, v, scale, is_causal=causal, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+        max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
+    return out, stats[:, :, 0].t()
+
+
+def cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Gradients of :func:`cudnn_thd_fwd`; ``lse_padded`` float32 ``[B, Hq, max_q, 1]``
+    (segment b's LSE in ``[b, :, :len_b]``; the rest is ignored). Returns (dq, dk, dv) in
+    the input dtype; dk/dv with k's head count."""
+    return _cudnn_ops().sdpa_bwd(
+        dout, q, k, v, out, lse_padded, scale, is_causal=causal, cu_seqlens_q=cu_q,
+        cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k)
+
+
 # ----------------------------------------------------------------- flash_attn package
 
 @functools.cache
@@ -174,3 +249,18 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, cau
         softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
         deterministic=False, rng_state=rng_state, **_window_kwargs(split_window))
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------- process groups
+
+def group_timeout(group) -> datetime.timedelta | None:
+    """The timeout of ``group``'s backend (``ProcessGroup._get_backend(dev).options._timeout``,
+    private), so subgroups made from it fail as fast; None when it cannot be read (then
+    ``new_group`` uses torch's default)."""
+    group = group if group is not None else dist.group.WORLD
+    for dev in ("cpu", "cuda"):
+        try:
+            return group._get_backend(torch.device(dev)).options._timeout
+        except (AttributeError, RuntimeError, ValueError):
+            continue
+    return None

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dist_utils import run_distributed
 from utils import assert_close
 
-from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
+from cp_rope.parallel import CPAttentionPlan, context_parallel_attention, shard_tensor, unshard
 from cp_rope.parallel._blocks import Block, _Reference, get_backend, merge_partials
 from cp_rope.parallel.sharding import local_cu_seqlens
 
@@ -52,6 +52,24 @@ def naive_attention(q, k, v, cu, causal, scale, seq_lens=None):
         pieces.append(torch.einsum("hqk,khd->qhd", p, vb))
     pieces.append(q.new_zeros(q.shape[0] - cu[-1], *q.shape[1:]))
     return torch.cat(pieces)
+
+
+def naive_lse(q, k, cu, causal, scale, seq_lens=None):
+    """``[Hq, T]`` log-sum-exp of each query's visible scores (-inf: no key, trailing rows)."""
+    g = q.shape[1] // k.shape[1]
+    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype, device=q.device)
+    cu = cu.tolist()
+    for b in range(len(cu) - 1):
+        s, e = cu[b], cu[b + 1]
+        n = e - s
+        scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e].repeat_interleave(g, 1)) * scale
+        mask = torch.ones(n, n, dtype=torch.bool, device=q.device)
+        if causal:
+            mask = torch.tril(mask)
+        if seq_lens is not None:
+            mask = mask & (torch.arange(n, device=q.device) < int(seq_lens[b]))[None, :]
+        lse[:, s:e] = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
+    return lse
 
 
 def _rand(gen, *shape):
@@ -169,8 +187,10 @@ def test_bad_inputs():
         cpa(q, k, torch.randn(8, 1, 16), cu, 8)
     with pytest.raises(ValueError, match=r"\[T, H, D\]"):
         cpa(q[0], k, k, cu, 8)
-    with pytest.raises(ValueError, match="cu_seqlens"):
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
         cpa(q, k, k, cu.float(), 8)
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        cpa(q, k, k, cu.long(), 8)
     with pytest.raises(ValueError, match="cu_seqlens\\[-1\\]"):
         cpa(q, k, k, torch.tensor([0, 9], dtype=torch.int32), 9)
     with pytest.raises(ValueError, match="max_seqlen"):
@@ -292,14 +312,48 @@ def fake_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
     return tuple(g.to(q.dtype).transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
 
 
+def fake_cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+    """The cuDNN frontend's THD conventions: bounds multiples of 64; LSE a [H, T] view of
+    token-major stats; rows past cu_q[-1] unwritten and rows of a segment without keys
+    NaN / denormal garbage (as measured on an H200 with cuDNN 9.19)."""
+    _check_bounds(cu_q, cu_k, max_q, max_k)
+    assert max_q % 64 == 0 and max_k % 64 == 0 and max_q >= 64, (max_q, max_k)
+    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
+    stats = lse.t().unsqueeze(-1).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
+    stats = stats.contiguous()  # [T, H, 1] token-major, as the kernel writes it
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
+        out[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
+        stats[int(cu_q[i]):int(cu_q[i + 1])] = 2.4e-38
+    out[int(cu_q[-1]):], stats[int(cu_q[-1]):] = float("nan"), float("nan")
+    return out.to(q.dtype), stats[:, :, 0].t()
+
+
+def fake_cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k, causal, scale):
+    """Takes the LSE padded [B, H, max_q, 1] (rows past a segment's length ignored): the fake
+    un-pads it, so a wrong layout gives wrong (or NaN) gradients."""
+    _check_bounds(cu_q, cu_k, max_q, max_k)
+    n_seg, hq = cu_q.numel() - 1, q.shape[1]
+    assert lse_padded.shape == (n_seg, hq, max_q, 1) and lse_padded.is_contiguous(), lse_padded.shape
+    lse = torch.full((hq, q.shape[0]), float("nan"), dtype=lse_padded.dtype)
+    for b in range(n_seg):
+        q0, n = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b])
+        lse[:, q0:q0 + n] = lse_padded[b, :, :n, 0]
+    blk = Block(cu_q, cu_k, max_q, max_k, causal)
+    [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
+    dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 def _install_fake_kernels():
     from cp_rope.parallel import _blocks, _compat
     from cp_rope.parallel import attention as att
 
     _compat.torch_cudnn_fwd, _compat.torch_cudnn_bwd = fake_cudnn_fwd, fake_cudnn_bwd
+    _compat.cudnn_thd_fwd, _compat.cudnn_thd_bwd = fake_cudnn_thd_fwd, fake_cudnn_thd_bwd
     real = att.get_backend
     fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
-             "fake_cudnn": _blocks._Cudnn}
+             "fake_cudnn": _blocks._Cudnn, "fake_cudnn_thd": _blocks._CudnnTHD}
     att.get_backend = lambda name, q, n: fakes[name]() if name in fakes else real(name, q, n)
 
 
@@ -317,6 +371,9 @@ def _parity_body(rank, world_size):
         (4, 2, 16, False, "fake_flash", False),
         (4, 2, 16, True, "fake_cudnn", True),  # 8: + trailing rows
         (4, 4, 16, True, "fake_flash", True),
+        (6, 2, 16, True, "fake_cudnn_thd", False),  # 10: + trailing rows
+        (4, 2, 16, False, "fake_cudnn_thd", False),
+        (4, 4, 16, True, "fake_cudnn_thd", True),
     ]
     for ci, (hq, hkv, d, causal, backend, one_seq) in enumerate(cases):
         lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, one_seq)
@@ -328,7 +385,9 @@ def _parity_body(rank, world_size):
         local_cu = local_cu_seqlens(cu, world_size)
         max_local = int((local_cu[1:] - local_cu[:-1]).max())
         n_local = int(local_cu[-1])
-        extra = 2 if ci in (0, 6, 8) else 0  # trailing rows that belong to no sequence
+        extra = 2 if ci in (0, 6, 8, 10) else 0  # trailing rows that belong to no sequence
+        sc = scale or d ** -0.5
+        ref_lse = naive_lse(q, k, cu, causal, sc, seq_lens)
         for method in ("ring", "allgather"):
             loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
             loc = [torch.cat([t, torch.randn(extra, *t.shape[1:], dtype=t.dtype)]) for t in loc]
@@ -348,6 +407,28 @@ def _parity_body(rank, world_size):
                                       (ref, *ref_grads), strict=True):
                 assert_close(unshard(got.detach(), local_cu, group), exp, **F64_EXACT,
                              name=f"{tag} {name}")
+            # the same call with a plan built once (the arguments left to the plan):
+            # bit-identical results, and the merged LSE
+            plan = CPAttentionPlan.build(
+                local_cu, max_local, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=q.dtype,
+                device="cpu", n_tokens=n_local + extra,
+                group=group if ci != 4 or world_size > 1 else None, causal=causal,
+                method=method, seq_lens=seq_lens)
+            grads = (ql.grad, kl.grad, vl.grad)
+            ql, kl, vl = (t.detach().clone().requires_grad_() for t in loc[:3])
+            out2, lse = context_parallel_attention(
+                ql, kl, vl, None, None, group=plan.group, causal=causal, softmax_scale=scale,
+                method=method, backend=backend, plan=plan, return_lse=True)
+            out2.backward(loc[3])
+            for name, a, b in zip(("out", "dq", "dk", "dv"), (out2, ql.grad, kl.grad, vl.grad),
+                                  (out, *grads), strict=True):
+                assert torch.equal(a, b), f"{tag} {name}: plan= changed the result"
+            assert lse.shape == (hq, n_local + extra) and not lse.requires_grad
+            assert bool((lse[:, n_local:] == float("-inf")).all()), tag
+            assert_close(unshard(lse.t().contiguous(), local_cu, group).t(), ref_lse, **F64_EXACT,
+                         name=f"{tag} lse")
+    if world_size > 1:
+        _plan_is_built_once(rank, world_size, group)
     if world_size == 2:
         _half_accumulators_match_fp32(rank, world_size, group)
     if world_size > 1:
@@ -361,9 +442,10 @@ def _half_accumulators_match_fp32(rank, world_size, group):
     one rounding more (within one bf16 ulp plus a half-ulp of the largest value)."""
     from cp_rope.parallel import attention as att
 
-    natural = att._acc_dtype
+    natural = att.acc_dtype
     for ci, (backend, one_seq, method) in enumerate([("fake_flash", False, "ring"),
                                                      ("fake_cudnn", True, "ring"),
+                                                     ("fake_cudnn_thd", False, "ring"),
                                                      ("fake_flash", False, "allgather")]):
         lens, cu, tensors = _make_case(300 + ci, world_size, 4, 2, 16, one_seq)
         local_cu = local_cu_seqlens(cu, world_size)
@@ -371,14 +453,14 @@ def _half_accumulators_match_fp32(rank, world_size, group):
         loc = [shard_tensor(t, cu, world_size, rank).bfloat16() for t in tensors]
         results = []
         for acc_dtype in (natural, lambda dtype, terms, be: torch.float32):
-            att._acc_dtype = acc_dtype
+            att.acc_dtype = acc_dtype
             try:
                 ql, kl, vl = (t.clone().requires_grad_() for t in loc[:3])
                 out = context_parallel_attention(ql, kl, vl, local_cu, max_local, group=group,
                                                  method=method, backend=backend)
                 out.backward(loc[3])
             finally:
-                att._acc_dtype = natural
+                att.acc_dtype = natural
             results.append([t.view(torch.int16) for t in (out, ql.grad, kl.grad, vl.grad)])
         for name, a, b in zip(("out", "dq", "dk", "dv"), *results, strict=True):
             tag = f"{backend} {method} rank{rank} {name}"
@@ -388,6 +470,46 @@ def _half_accumulators_match_fp32(rank, world_size, group):
                 assert_close(a, b, atol=2.0 ** -8 * float(b.abs().max()), rtol=2.0 ** -7, name=tag)
             else:
                 assert torch.equal(a, b), f"{tag}: bf16 != fp32 accumulation"
+
+
+def _plan_is_built_once(rank, world_size, group):
+    """A step of 4 attention layers (forward + backward) with a prebuilt plan: no plan is
+    built and no signature gathered in the layers (structural: the GPU test counts syncs)."""
+    from cp_rope.parallel import plan as plan_mod
+
+    lens, cu, (q, k, v, dout) = _make_case(400, world_size, 4, 2, 8, False)
+    local_cu = local_cu_seqlens(cu, world_size)
+    max_local = int((local_cu[1:] - local_cu[:-1]).max())
+    loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
+    counts = {"build": 0, "gather": 0}
+    real_build, real_gather = plan_mod.CPAttentionPlan.build.__func__, dist.all_gather_object
+
+    def build(cls, *args, **kw):
+        counts["build"] += 1
+        return real_build(cls, *args, **kw)
+
+    def gather(*args, **kw):
+        counts["gather"] += 1
+        return real_gather(*args, **kw)
+
+    plan_mod.CPAttentionPlan.build = classmethod(build)
+    dist.all_gather_object = gather
+    try:
+        for method in ("ring", "allgather"):
+            counts.update(build=0, gather=0)
+            plan = CPAttentionPlan.build(local_cu, max_local, q_heads=4, kv_heads=2, head_dim=8,
+                                         dtype=q.dtype, device="cpu", group=group, method=method)
+            assert counts == {"build": 1, "gather": 1}, counts
+            h = loc[0].clone().requires_grad_()
+            x = h
+            for _ in range(4):
+                x = x + context_parallel_attention(x, loc[1], loc[2], plan.cu_seqlens, max_local,
+                                                   group=group, method=method, plan=plan)
+            x.backward(loc[3])
+            assert counts == {"build": 1, "gather": 1}, f"{method}: {counts}"
+    finally:
+        plan_mod.CPAttentionPlan.build = classmethod(real_build)
+        dist.all_gather_object = real_gather
 
 
 def _errors_across_ranks(rank, world_size, group):
@@ -400,6 +522,18 @@ def _errors_across_ranks(rank, world_size, group):
     assert f"q=({4 * world_size}, 2, 8)" in msg and f"q=({4 * world_size + 1}, 2, 8)" in msg, msg
     with pytest.raises(ValueError, match="seq_lens: causal=False with cp_size > 1"):
         context_parallel_attention(q, k, k, cu, 4 * world_size, group=group, causal=False)
+    # the whole cu_seqlens is compared: equal totals, equal weighted sums, different layouts
+    cu = torch.tensor([0, 2, 8, 10, 16] if rank % 2 == 0 else [0, 4, 4, 12, 16], dtype=torch.int32)
+    q, k = torch.randn(16, 2, 8, dtype=torch.float64), torch.randn(16, 1, 8, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"differ across the ranks") as info:
+        context_parallel_attention(q, k, k, cu, 8, group=group, backend="reference")
+    assert "cu_seqlens=[0, 2, 8, 10, 16]" in str(info.value), str(info.value)
+    assert "cu_seqlens=[0, 4, 4, 12, 16]" in str(info.value), str(info.value)
+    # bad content on one rank: that rank raises its ValueError, every other rank names it
+    bad = torch.tensor([0, 4, 3, 16] if rank == 1 else [0, 4, 8, 16], dtype=torch.int32)
+    expected = (ValueError, "non-decreasing") if rank == 1 else (RuntimeError, "rank 1: ValueError")
+    with pytest.raises(expected[0], match=expected[1]):
+        context_parallel_attention(q, k, k, bad, 8, group=group, backend="reference")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -430,5 +564,5 @@ def test_unknown_backend_lists_the_choices():
     q = torch.randn(8, 2, 16)
     k = v = torch.randn(8, 1, 16)
     cu = torch.tensor([0, 8], dtype=torch.int32)
-    with pytest.raises(ValueError, match="backend must be 'auto' or one of"):
+    with pytest.raises(ValueError, match="backend must be one of 'auto', 'cudnn'"):
         context_parallel_attention(q, k, v, cu, 8, backend="xformers")
