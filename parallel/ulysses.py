@@ -44,9 +44,9 @@ Communication per layer and rank (elements; T local rows, D head dim, ``Hkv'``
 
 When to pick which: the ring hides its traffic when one step's compute (``~ T^2
 Hq D / C`` per rank and step) outlasts sending ``2 T Hkv D`` to the neighbour --
-long local shards, and few kv heads make it cheap. Ulysses sends about ``(Hq +
-Hkv) / (Hkv C / 2)`` times less than the ring's total (less for MHA beyond C = 2,
-for Hq = 4 Hkv beyond C = 5), in two exposed all-to-alls; it wins when the ring's
+long local shards, and few kv heads make it cheap. Ulysses sends ``(Hq + Hkv') /
+(C Hkv)`` of the ring's bytes (fewer for MHA beyond C = 2, for Hq = 4 Hkv beyond
+C = 5), in two exposed all-to-alls; it wins when the ring's
 steps are too short to hide their exchange (many ranks, short shards, many
 documents), on fast all-to-all links (NVLink within a node), and it needs
 ``Hq % C == 0``. Hybrid puts the all-to-all on the fast links inside a node and
