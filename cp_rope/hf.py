@@ -1,7 +1,7 @@
 """Packed context parallelism for Hugging Face transformers models (extra ``hf``).
 
-Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, GQA
-included) into a packed, context-parallel one::
+Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, and
+Phi3 with its partial rotary; GQA included) into a packed, context-parallel one::
 
     from cp_rope.hf import model_inputs, patch_model
     from cp_rope.parallel import PackingCollator, cp_cross_entropy
@@ -84,6 +84,7 @@ _check_transformers_version(transformers.__version__)
 from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.phi3 import modeling_phi3  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 
@@ -91,6 +92,7 @@ from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
 _FAMILIES = {
     "llama": (modeling_llama, "LlamaAttention", "LlamaRotaryEmbedding"),
     "mistral": (modeling_mistral, "MistralAttention", "MistralRotaryEmbedding"),
+    "phi3": (modeling_phi3, "Phi3Attention", "Phi3RotaryEmbedding"),  # partial rotary
     "qwen2": (modeling_qwen2, "Qwen2Attention", "Qwen2RotaryEmbedding"),
     "qwen3": (modeling_qwen3, "Qwen3Attention", "Qwen3RotaryEmbedding"),
 }

@@ -2,7 +2,7 @@
 
 Tiny random models built from configs (no downloads) of every supported
 family, with GQA and a different rope type each (llama3, default + sliding
-window, linear, yarn with its attention factor). The reference is the
+window, linear, yarn with its attention factor, partial rotary for Phi3). The reference is the
 unpatched model (eager attention, float64 weights) run on each document
 alone; the patched model runs float32 on the packed batch (zigzag shards at
 cp > 1), its logits are gathered and its CP loss's gradients summed over the
@@ -40,6 +40,7 @@ FAMILIES = {
     "qwen2": ("Qwen2Config", {"rope_type": "linear", "factor": 2.0}),
     "qwen3": ("Qwen3Config", {"rope_type": "yarn", "factor": 4.0,
                               "original_max_position_embeddings": 32}),
+    "phi3": ("Phi3Config", {"rope_type": "default", "partial_rotary_factor": 0.5}),
 }
 
 
@@ -50,6 +51,8 @@ def _config(family: str, **over):
                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=V,
                   max_position_embeddings=128, attention_dropout=0.0, attn_implementation="eager",
                   rope_parameters=dict(rope, rope_theta=500000.0))
+    if family == "phi3":
+        kwargs["pad_token_id"] = 0  # its default (32000) is outside the tiny vocabulary
     kwargs.update(over)
     return getattr(transformers, name)(**kwargs)
 
@@ -173,7 +176,7 @@ def test_bad_input():
     with pytest.raises(TypeError, match="PreTrainedModel"):
         H.patch_model(torch.nn.Linear(2, 2))
     gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=16, n_layer=1, n_head=2))
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*llama, mistral"):
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported.*llama, mistral, phi3"):
         H.patch_model(gpt2)
     # a rope type cp_rope cannot reproduce: refused with rope_kernel=True, the model's own
     # rotary embedding with rope_kernel=False
@@ -213,7 +216,7 @@ def _cp_body(rank: int, world: int) -> None:
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair, r2 = pairs[rank // 2], rank % 2
     # cp 2: ranks 0-1 and 2-3 are two CP groups, each checking two families
-    for family in (("llama", "mistral") if rank < 2 else ("qwen2", "qwen3")):
+    for family in (("llama", "mistral", "phi3") if rank < 2 else ("qwen2", "qwen3")):
         for method in ("ring", "allgather"):
             _check_case(family, pair, method, method == "ring", 2, r2)
     # cp 4: every family, both methods, the RoPE kernel
