@@ -244,7 +244,9 @@ class _InnerPlan:
 
 def _setup(plan):
     u = plan.ulysses_size
-    a2a, ring = a2a_groups(plan.group, u)
+    # a simulated rank (CPAttentionPlan.simulated: no group): loopback exchanges, the same
+    # shapes and blocks, every "rank" of the all-to-all holding this rank's own rows
+    a2a, ring = a2a_groups(plan.group, u) if plan.group is not None else (None, None)
     n = plan.n_valid
     inner = _InnerPlan(plan.cp_size // u, plan.cp_rank // u, plan.blocks, plan.terms, u * n, u * n)
     return u, n, a2a, ring, inner
