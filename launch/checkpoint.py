@@ -202,8 +202,8 @@ def verify_checkpoint(path: str) -> str | None:
         mine = "; ".join(faults) or None
     except CheckpointError as exc:
         mine = str(exc).removeprefix(f"{path}: ")
-    except OSError as exc:  # unreadable
-        mine = f"cannot be read ({exc})"
+    except Exception as exc:  # unreadable, ...: every rank must still reach the gather
+        mine = f"cannot be verified ({type(exc).__name__}: {exc})"
     verdicts = [v for v in _gather(mine) if v is not None]
     return "; ".join(dict.fromkeys(verdicts)) or None
 
@@ -277,8 +277,8 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
         mine = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
                 for f in share}
         error = None
-    except OSError as exc:
-        mine, error = {}, f"rank {rank}: {exc}"
+    except Exception as exc:  # every rank must still reach the gather
+        mine, error = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
     gathered = _gather((mine, error))
     errors = [e for _, e in gathered if e is not None]
     if errors:

@@ -10,7 +10,9 @@ bit for bit. One process on CPU, the tiny model, a few steps.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,6 +22,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cp_rope.launch import checkpoint as ckpt
@@ -294,3 +297,30 @@ def test_checkpoint_size_estimate_and_full_disk(group, tmp_path, monkeypatch):
     monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=need - 1))
     with pytest.raises(ValueError, match=r"--out-dir .*ck.*: a checkpoint needs about .* GiB .* free"):
         ckpt.check_checkpoint_space(str(tmp_path / "ck"), model, opt)
+
+
+def _two_rank_body(rank: int, world: int, root: str) -> None:
+    model, opt, sched = _state(0)
+    for step in (1, 2):
+        save_checkpoint(root, step, model, opt, sched, {"rank": rank})
+    newest = os.path.join(root, "step_00000002")
+    names = sorted(json.load(open(os.path.join(newest, MANIFEST)))["files"])
+    assert len(names) >= 3 and all(os.path.isfile(os.path.join(newest, n)) for n in names), names
+    victim = names[1::world][0]  # a file rank 1 hashes, not rank 0
+    dist.barrier()
+    if rank == 0:
+        _flip(os.path.join(newest, victim))
+    dist.barrier()
+    path, skipped = resume_checkpoint(root)  # the same verdict on both ranks
+    assert path == os.path.join(root, "step_00000001"), path
+    assert [p for p, _ in skipped] == [newest] and victim in skipped[0][1], skipped
+    with pytest.raises(CheckpointError, match=rf"{re.escape(victim)}: SHA-256 differs"):
+        load_checkpoint(newest, model, opt, sched, {"rank": -1})
+    step, sampler = load_checkpoint(path, model, opt, sched, {"rank": -1})
+    assert (step, sampler) == (1, {"rank": rank})
+
+
+def test_two_ranks_share_the_hashing_and_the_verdict(tmp_path):
+    """World 2: each rank hashes its share of the files; damage seen by rank 1 alone makes both
+    ranks skip the checkpoint (and load_checkpoint raise on both), no hang."""
+    run_distributed(_two_rank_body, 2, str(tmp_path), timeout_s=60)
