@@ -14,6 +14,7 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.optim`: AdamW groups, the LR schedule, gradient reduction and clipping.
 * :mod:`cp_rope.launch.data`: corpora (Python stdlib, JSONL, .txt, .bin), tokenizers, the packed loader.
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
+* :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``).
 * :mod:`cp_rope.launch.metrics`: throughput and MFU arithmetic, rank-0 logging.
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.
 """

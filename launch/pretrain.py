@@ -38,10 +38,8 @@ import datetime
 import json
 import math
 import os
-import shutil
 import signal
 import sys
-import tempfile
 import threading
 import time
 import warnings
@@ -55,18 +53,18 @@ from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import (
     check_checkpoint_space,
-    has_checkpoints,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
 from .cli import parse_args
-from .config import SECTIONS, ConfigError, PretrainConfig, check_resume_config, to_dict, validate
+from .config import ConfigError, PretrainConfig, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
 from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params
 from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lambda
 from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
+from .run_dir import prepare_out_dir
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
            "train_step", "all_reduce_gradients", "lr_lambda"]
@@ -239,83 +237,6 @@ def _resolve(cfg: PretrainConfig, vocab_size: int) -> PretrainConfig:
     return cfg
 
 
-def _check_out_dir(out: str) -> None:
-    """ConfigError naming ``--out-dir`` unless ``out`` is (or can be made) a writable directory."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise ConfigError(f"--out-dir {out!r}: exists and is not a directory")
-    try:
-        os.makedirs(out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out):
-            pass
-    except OSError as exc:
-        raise ConfigError(f"--out-dir {out!r}: cannot be created or written "
-                          f"({exc.strerror or exc})") from None
-
-
-def _saved_config(path: str) -> dict:
-    """The earlier run's ``config.json`` for :func:`check_resume_config`; ConfigError naming the
-    file when it is missing, not JSON or not a config (the resume check cannot be skipped)."""
-    fix = "restore it, or start a new run (--overwrite or another --out-dir)"
-    if not os.path.isfile(path):
-        raise ConfigError(f"--resume: {path} is missing, so the fields a resume must keep "
-                          f"cannot be checked against the checkpoints' run; {fix}")
-    try:
-        with open(path, encoding="utf-8") as f:
-            saved = json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--resume: {path} is not valid JSON ({exc}); {fix}") from None
-    if not isinstance(saved, dict) or not all(isinstance(saved.get(s, {}), dict) for s in SECTIONS):
-        raise ConfigError(f"--resume: {path} is not a config this trainer wrote (an object of "
-                          f"sections {list(SECTIONS)}); {fix}")
-    return saved
-
-
-def _prepare_out_dir(cfg: PretrainConfig, rank: int) -> None:
-    """A resumed run must keep the checkpoint's config (:func:`check_resume_config`
-    against out_dir/config.json); a fresh run (no ``--resume``) must not mix with
-    an earlier run's files in out_dir.
-
-    Its checkpoints would be pruned and resumed from together with the new
-    ones (by step) and its metrics.jsonl truncated. With ``--overwrite`` rank 0
-    deletes them (and the TensorBoard events) first; otherwise ConfigError,
-    decided on rank 0 (before this run writes anything) and raised on every
-    rank, before any heavy work. With checkpoints to resume, ``config.json`` must
-    be there and readable (else the check could not be made). The out-dir must
-    be a writable directory (ConfigError naming ``--out-dir`` and the path).
-    """
-    out = cfg.train.out_dir
-    ckpt_root, metrics = os.path.join(out, "checkpoints"), os.path.join(out, "metrics.jsonl")
-    multi = dist.is_initialized() and dist.get_world_size() > 1
-    # Rank 0 decides and every rank raises the same error: a rank that looks later
-    # would otherwise see the files rank 0 has started writing for this very run.
-    error: list[str | None] = [None]
-    if rank == 0:
-        try:
-            _check_out_dir(out)
-            if cfg.train.overwrite and not cfg.train.resume:
-                shutil.rmtree(ckpt_root, ignore_errors=True)
-                shutil.rmtree(os.path.join(out, "tensorboard"), ignore_errors=True)
-                if os.path.isfile(metrics):
-                    os.remove(metrics)
-            elif cfg.train.resume:
-                if has_checkpoints(ckpt_root):
-                    check_resume_config(_saved_config(os.path.join(out, "config.json")), cfg)
-            else:
-                found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
-                                                  ("metrics.jsonl", os.path.isfile(metrics))) if there]
-                if found:
-                    raise ConfigError(
-                        f"train.out_dir={out!r} holds {' and '.join(found)} of an earlier run: "
-                        "pass --resume to continue it, --overwrite to delete them first, "
-                        "or --out-dir for a new directory")
-        except ConfigError as exc:
-            error[0] = str(exc)
-    if multi:
-        dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise ConfigError(error[0])
-
-
 # ------------------------------------------------------------------ the trainer
 @dataclass(kw_only=True)
 class Trainer:
@@ -365,7 +286,7 @@ def set_up(cfg: PretrainConfig) -> Trainer:
         warnings.warn(f"train.steps={cfg.train.steps} <= optim.warmup_steps={cfg.optim.warmup_steps}: "
                       "the LR warms up for the whole run (the peak optim.lr is reached at most at "
                       "the last step; no cosine decay); lower --warmup-steps", UserWarning, stacklevel=3)
-    _prepare_out_dir(cfg, rank)
+    prepare_out_dir(cfg, rank)
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
@@ -396,7 +317,7 @@ def set_up(cfg: PretrainConfig) -> Trainer:
     resume_from, skipped = resume_checkpoint(ckpt_root) if cfg.train.resume else (None, [])
     if resume_from is not None:
         step, sampler_state = load_checkpoint(resume_from, model, optimizer, scheduler,
-                                              batches.state_dict())
+                                              batches.state_dict(), verify=False)  # just verified
         batches.load_state_dict(sampler_state)
     else:
         sampler.set_epoch(0)
