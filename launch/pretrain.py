@@ -52,6 +52,7 @@ from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import (
+    CheckpointError,
     check_checkpoint_space,
     load_checkpoint,
     resume_checkpoint,
@@ -477,7 +478,7 @@ def main(argv: list[str] | None = None) -> dict:
 def _cli() -> None:
     try:
         summary = main()
-    except ConfigError as exc:  # every rank raises the same one: print it once
+    except (ConfigError, CheckpointError) as exc:  # every rank raises the same one: print it once
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
