@@ -24,7 +24,7 @@ stride, so tensors over 2**31 elements work.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import os
 
 import torch
@@ -91,18 +91,30 @@ def _rotate_heads(
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
 
 
-@triton.jit
+# Integer arguments that change from batch to batch or model to model: Triton would
+# otherwise compile a variant for each value equal to 1 or divisible by 16
+# (tests/test_rope_gpu.py counts compilations). Strides stay specialized: their
+# divisibility by 16 is what proves 16-byte vector loads, and it does not vary for
+# a given (dtype, head_dim).
+_DO_NOT_SPECIALIZE = ("n_tokens", "n_seqs", "n_heads_q", "n_heads_k", "heads_per_prog", "cp_size",
+                      "cp_rank", "start_offset")
+
+
+@triton.jit(do_not_specialize=_DO_NOT_SPECIALIZE)
 def _rope_kernel(
     # pointers
     Q, K, OUT_Q, OUT_K, COS, SIN, CU_SEQLENS,
+    POS_IDS,  # int32/int64 [T] explicit positions (read when HAS_POS_IDS)
+    START,  # int32/int64 [B] per-sequence offsets (read when HAS_START)
     # sizes: runtime values that change from batch to batch
     n_tokens, n_seqs, n_heads_q, n_heads_k, heads_per_prog, head_dim, cp_size, cp_rank,
-    # strides (elements)
+    start_offset,  # one offset added to every formula position
+    # strides (elements); cos and sin share theirs, with unit column stride
     stride_qt, stride_qh, stride_qd,
     stride_kt, stride_kh, stride_kd,
     stride_oqt, stride_oqh, stride_oqd,
     stride_okt, stride_okh, stride_okd,
-    stride_cos_p, stride_cos_d, stride_sin_p, stride_sin_d,
+    stride_cs,
     # meta: these shape the generated code
     ROT_HALF: tl.constexpr,  # rotary_dim // 2
     BLOCK_T: tl.constexpr,  # rows per program
@@ -111,6 +123,8 @@ def _rope_kernel(
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,  # rotate by -theta (the backward)
     COPY_PASS: tl.constexpr,  # out-of-place with head_dim > rotary_dim
+    HAS_POS_IDS: tl.constexpr,  # positions from POS_IDS instead of the CP formula
+    HAS_START: tl.constexpr,  # add START[sequence] to the formula's positions
 ):
     pid = tl.program_id(0).to(tl.int64)
     n_blocks_q = tl.cdiv(n_heads_q, heads_per_prog)
@@ -120,33 +134,40 @@ def _rope_kernel(
     offs_t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T).to(tl.int64)
     mask_t = offs_t < n_tokens
 
-    # Sequence of each row: the largest b in [0, n_seqs] with cu[b] <= t
-    # (binary lifting; b == n_seqs means trailing padding).
-    seq = tl.zeros([BLOCK_T], dtype=tl.int32)
-    step = 1
-    while step * 2 <= n_seqs:
-        step *= 2
-    while step > 0:
-        cand = seq + step
-        ok = cand <= n_seqs
-        bound = tl.load(CU_SEQLENS + cand, mask=ok & mask_t, other=0)
-        seq = tl.where(ok & (bound <= offs_t), cand, seq)
-        step = step // 2
-    valid = mask_t & (seq < n_seqs)
-    start = tl.load(CU_SEQLENS + seq, mask=valid, other=0).to(tl.int64)
-    end = tl.load(CU_SEQLENS + seq + 1, mask=valid, other=0).to(tl.int64)
-    # CP position formula: local row j of a local sequence of 2c rows on rank r.
-    j = offs_t - start
-    c = (end - start) // 2
-    pos = tl.where(j < c, cp_rank * c + j, (2 * cp_size - 1 - cp_rank) * c + (j - c))
-    pos = tl.where(valid, pos, 0)
+    if HAS_POS_IDS:
+        # rows from cu_seqlens[-1] on are padding, copied unchanged
+        valid = mask_t & (offs_t < tl.load(CU_SEQLENS + n_seqs))
+        pos = tl.load(POS_IDS + offs_t, mask=valid, other=0).to(tl.int64)
+    else:
+        # Sequence of each row: the largest b in [0, n_seqs] with cu[b] <= t
+        # (binary lifting; b == n_seqs means trailing padding).
+        seq = tl.zeros([BLOCK_T], dtype=tl.int32)
+        step = 1
+        while step * 2 <= n_seqs:
+            step *= 2
+        while step > 0:
+            cand = seq + step
+            ok = cand <= n_seqs
+            bound = tl.load(CU_SEQLENS + cand, mask=ok & mask_t, other=0)
+            seq = tl.where(ok & (bound <= offs_t), cand, seq)
+            step = step // 2
+        valid = mask_t & (seq < n_seqs)
+        start = tl.load(CU_SEQLENS + seq, mask=valid, other=0).to(tl.int64)
+        end = tl.load(CU_SEQLENS + seq + 1, mask=valid, other=0).to(tl.int64)
+        # CP position formula: local row j of a local sequence of 2c rows on rank r.
+        j = offs_t - start
+        c = (end - start) // 2
+        pos = tl.where(j < c, cp_rank * c + j, (2 * cp_size - 1 - cp_rank) * c + (j - c))
+        pos += start_offset
+        if HAS_START:
+            pos += tl.load(START + seq, mask=valid, other=0).to(tl.int64)
+        pos = tl.where(valid, pos, 0)
 
     offs_r = tl.arange(0, BLOCK_R)
     mask_cs = valid[:, None] & (offs_r < ROT_HALF)[None, :]
-    cos = tl.load(COS + pos[:, None] * stride_cos_p + offs_r[None, :] * stride_cos_d,
-                  mask=mask_cs, other=1.0).to(tl.float32)
-    sin = tl.load(SIN + pos[:, None] * stride_sin_p + offs_r[None, :] * stride_sin_d,
-                  mask=mask_cs, other=0.0).to(tl.float32)
+    cs_offs = pos[:, None] * stride_cs + offs_r[None, :]
+    cos = tl.load(COS + cs_offs, mask=mask_cs, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + cs_offs, mask=mask_cs, other=0.0).to(tl.float32)
     if CONJUGATE:
         sin = -sin
 
@@ -210,17 +231,29 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     return (t_blocks * h_blocks,), heads_per_prog, meta
 
 
+@functools.lru_cache(maxsize=1024)
+def _default_launch_config(n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, elem_size,
+                           interleaved, conjugate, inplace):
+    return launch_config(n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, elem_size,
+                         interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+
+
 def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor,
                   cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int,
-                  cp_rank: int, interleaved: bool, conjugate: bool,
+                  cp_rank: int, interleaved: bool, conjugate: bool, *,
+                  position_ids: torch.Tensor | None = None,
+                  start_positions: torch.Tensor | None = None, start_offset: int = 0,
                   config: dict | None = None) -> None:
     """Launch the kernel: rotate q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k.
 
     Any strides; ``out_q is q and out_k is k`` (the same objects) for in place. ``Hk``
     may be 0.
     cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
-    cu_seqlens int32 ``[B + 1]``. Arguments are assumed checked by the caller.
-    ``config``: :func:`launch_config` overrides (tuning scripts only).
+    cu_seqlens int32 ``[B + 1]``. Positions: ``position_ids`` (int32/int64
+    ``[T]``) when given, else the CP formula plus ``start_positions[b]``
+    (int32/int64 ``[B]``, when given) plus ``start_offset``. Arguments are
+    assumed checked by the caller. ``config``: :func:`launch_config` overrides
+    (tuning scripts only).
     """
     if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', or "
@@ -233,17 +266,33 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
     # identity, not data_ptr(): every empty tensor (say q with 0 heads) has pointer 0, and
     # treating out-of-place as in place would skip copying k's pass-through dims
     inplace = out_q is q and out_k is k
-    grid, heads_per_prog, meta = launch_config(
-        n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
-        interleaved=interleaved, conjugate=conjugate, inplace=inplace, **(config or {}))
+    if config:
+        grid, heads_per_prog, meta = launch_config(
+            n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
+            interleaved=interleaved, conjugate=conjugate, inplace=inplace, **config)
+    else:
+        grid, heads_per_prog, meta = _default_launch_config(
+            n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
+            bool(interleaved), bool(conjugate), inplace)
     if n_heads_k == 0:  # any valid pointer: no program reads it
         k, out_k = q, out_q
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        _rope_kernel[grid](
-            q, k, out_q, out_k, cos, sin, cu_seqlens,
-            n_tokens, cu_seqlens.numel() - 1, n_heads_q, n_heads_k, heads_per_prog, head_dim,
-            cp_size, cp_rank,
-            *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(),
-            *cos.stride(), *sin.stride(),
-            **meta)
-
+    cs_stride = cos.stride()
+    if cs_stride[1] != 1 or sin.stride() != cs_stride:  # the kernel takes one stride for both
+        cos, sin = cos.contiguous(), sin.contiguous()
+        cs_stride = cos.stride()
+    if position_ids is not None and position_ids.stride(0) != 1:
+        position_ids = position_ids.contiguous()
+    if start_positions is not None and start_positions.stride(0) != 1:
+        start_positions = start_positions.contiguous()
+    args = (q, k, out_q, out_k, cos, sin, cu_seqlens,
+            cu_seqlens if position_ids is None else position_ids,  # any valid pointer when unread
+            cu_seqlens if start_positions is None else start_positions,
+            n_tokens, cu_seqlens.shape[0] - 1, n_heads_q, n_heads_k, heads_per_prog, head_dim,
+            cp_size, cp_rank, start_offset,
+            *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), cs_stride[0])
+    has = dict(HAS_POS_IDS=position_ids is not None, HAS_START=start_positions is not None)
+    if q.is_cuda and q.get_device() != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            _rope_kernel[grid](*args, **meta, **has)
+    else:
+        _rope_kernel[grid](*args, **meta, **has)

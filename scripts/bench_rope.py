@@ -47,7 +47,7 @@ from triton.testing import do_bench  # noqa: E402
 import cp_rope  # noqa: E402
 from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache  # noqa: E402
 from cp_rope.kernel import rotary_triton  # noqa: E402
-from cp_rope.reference import rotary_torch  # noqa: E402
+from cp_rope.torch_backend import rotary_torch  # noqa: E402
 
 N_SEQS = [1, 8, 32, 128, 512, 1024, 2401, 4096]
 HEAD_DIM = 128

@@ -8,15 +8,19 @@ from cp_rope import global_positions
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                   cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False) -> torch.Tensor:
+                   cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
+                   positions: torch.Tensor | None = None, conjugate: bool = False) -> torch.Tensor:
     """Float64 RoPE written independently of the package: positions from
-    :func:`cp_rope.global_positions`, rotation as a complex product
-    ``(x1 + i x2) * (cos + i sin)``. Differentiable (float64 autograd)."""
+    :func:`cp_rope.global_positions` (or ``positions``, one per row below
+    ``cu_seqlens[-1]``), rotation as a complex product ``(x1 + i x2) * (cos + i sin)``
+    (``cos - i sin`` when ``conjugate``). Differentiable (float64 autograd)."""
     x = x.to(torch.float64)
     n = int(cu_seqlens[-1])
     half = cos.shape[1]
-    pos = global_positions(cu_seqlens.cpu(), cp_size, cp_rank).to(x.device)
-    rot = torch.complex(cos.to(x.device, torch.float64)[pos], sin.to(x.device, torch.float64)[pos])
+    pos = global_positions(cu_seqlens.cpu(), cp_size, cp_rank) if positions is None else positions[:n]
+    pos = pos.to(x.device, torch.int64)
+    s = sin.to(x.device, torch.float64)[pos]
+    rot = torch.complex(cos.to(x.device, torch.float64)[pos], -s if conjugate else s)
     xr = x[:n, :, :2 * half]
     if interleaved:
         pairs = xr.reshape(n, x.shape[1], half, 2)

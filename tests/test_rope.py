@@ -20,7 +20,7 @@ from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rop
 from cp_rope.kernel import rotary_triton
 from cp_rope.ops import resolve_backend
 from cp_rope.parallel.sharding import cp_shard_indices, local_cu_seqlens
-from cp_rope.reference import rotary_torch, token_positions
+from cp_rope.torch_backend import rotary_torch, token_positions
 
 BACKENDS = ["torch", "triton"]
 CP = [(1, 0), (2, 0), (2, 1), (4, 0), (4, 1), (4, 2), (4, 3)]

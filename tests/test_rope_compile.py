@@ -110,3 +110,41 @@ def test_compile_inplace_matches_eager(device, backend):
         assert torch.equal(a, b) and torch.equal(ra, rb)
     assert not torch.equal(a, qkv)
     assert torch.equal(a[:, HQ + HK:], qkv[:, HQ + HK:])  # v untouched
+
+
+def _positions_step(q, k, cos, sin, cu, pos, start, backend):
+    if pos is not None:
+        qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, position_ids=pos, backend=backend)
+    else:
+        qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, start_positions=start, cp_size=2,
+                                     cp_rank=1, conjugate=True, backend=backend)
+    return qo, ko, qo.sum() + 2 * ko.sum()
+
+
+@pytest.mark.parametrize("mode", ["position_ids", "start_positions"])
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_positions(device, backend, mode):
+    """position_ids (int64 [T]) or start_positions (int32 [B]) with conjugate, through
+    torch.compile(fullgraph=True) with T and B marked dynamic: forward and backward equal
+    eager on 3 batch shapes, at most 2 compilations."""
+    _skip_interpreter_on_gpu_machine(device, backend)
+    cos, sin = rope_cache(1200, ROT, device=device)
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(_positions_step, fullgraph=True)
+    for seed, (n_tokens, n_seqs) in enumerate([(256, 3), (320, 5), (200, 7)]):
+        q, k, _, _, cu = _batch(seed, n_tokens, n_seqs, device, dynamic=True)
+        gen = torch.Generator().manual_seed(100 + seed)
+        pos = start = None
+        if mode == "position_ids":
+            pos = torch.randint(0, 1200, (n_tokens,), generator=gen).to(device)
+            torch._dynamo.mark_dynamic(pos, 0)
+        else:
+            start = torch.randint(0, 500, (cu.numel() - 1,), generator=gen, dtype=torch.int32).to(device)
+            torch._dynamo.mark_dynamic(start, 0)
+        got = _fwd_bwd(compiled, q, k, cos, sin, cu, pos, start, backend)
+        want = _fwd_bwd(_positions_step, q, k, cos, sin, cu, pos, start, backend)
+        for name, g, w in zip(("q", "k", "dq", "dk"), got, want, strict=True):
+            assert torch.equal(g, w), f"{name} differs from eager at T={n_tokens}"
+    assert 1 <= counters["stats"]["unique_graphs"] <= 2
