@@ -10,7 +10,9 @@
   Ulysses) and U = 1 (bit-equal to the ring); GQA with Hkv = C, C / 2 (kv heads
   shared by the ranks that use them), 2C and 1; causal and non-causal
   (``seq_lens``); zero-length, one-token and one-token-per-chunk documents,
-  trailing padding rows; random batches from ``PackingCollator``; a reused
+  trailing padding rows; random batches from ``PackingCollator``; the GPU block
+  backends' glue (flash varlen, cuDNN THD, torch cuDNN) through the fake kernels
+  of ``tests/test_attention.py``; a reused
   plan; the LSE equals the ring's. The same world checks that a bad
   ``ulysses_size``, heads that do not split and inputs that differ between
   ranks raise on every rank.
@@ -26,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
-from test_attention import _make_case, naive_attention
+from test_attention import _install_fake_kernels, _make_case, naive_attention
 from utils import assert_close
 
 from cp_rope.parallel import (
@@ -111,7 +113,7 @@ def _collator_case(seed, cp_size, hq, hkv, d):
     return batch.seq_lens.tolist(), cu, tensors
 
 
-def _run(group, rank, cp_size, tensors, cu, causal, seq_lens, extra, **kw):
+def _run(group, rank, cp_size, tensors, cu, causal, seq_lens, extra, backend="reference", **kw):
     """Shard, add ``extra`` trailing rows, run CP attention forward and backward; returns
     (out, dq, dk, dv) gathered in global order, the local results and the local LSE."""
     local_cu = local_cu_seqlens(cu, cp_size)
@@ -120,7 +122,7 @@ def _run(group, rank, cp_size, tensors, cu, causal, seq_lens, extra, **kw):
     loc = [torch.cat([t, torch.randn(extra, *t.shape[1:], dtype=t.dtype)]) for t in loc]
     ql, kl, vl = (t.requires_grad_() for t in loc[:3])
     out, lse = context_parallel_attention(ql, kl, vl, local_cu, max_local, group=group,
-                                          causal=causal, seq_lens=seq_lens, backend="reference",
+                                          causal=causal, seq_lens=seq_lens, backend=backend,
                                           return_lse=True, **kw)
     out.backward(loc[3])
     local = (out.detach(), ql.grad, kl.grad, vl.grad)
@@ -131,28 +133,33 @@ def _run(group, rank, cp_size, tensors, cu, causal, seq_lens, extra, **kw):
 
 
 def _parity_body(rank, world_size):
+    _install_fake_kernels()  # the GPU backends' glue on CPU (see tests/test_attention.py)
     world = dist.group.WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     pair = pairs[rank // 2]
-    # (C, group, method, U, hq, hkv, d, causal, batch source)
+    # (C, group, method, U, hq, hkv, d, causal, batch source, backend)
     cases = [
-        (4, world, "ulysses", None, 8, 4, 8, True, "pool"),  # Hkv = C
-        (4, world, "ulysses", None, 8, 2, 16, True, "pool"),  # Hkv = C / 2: shared kv heads
-        (4, world, "ulysses", None, 16, 8, 8, False, "pool"),  # Hkv = 2C, non-causal
-        (4, world, "ulysses", None, 4, 1, 8, False, "collator"),  # one kv head (MQA)
-        (4, world, "hybrid", 2, 8, 2, 8, True, "pool"),  # Hkv = U: one kv head per rank
-        (4, world, "hybrid", 2, 4, 1, 16, False, "pool"),  # Hkv = U / 2: shared
-        (4, world, "hybrid", 2, 8, 4, 8, True, "collator"),  # Hkv = 2U
-        (4, world, "hybrid", 2, 12, 4, 8, False, "collator"),
-        (2, pair, "ulysses", None, 4, 2, 8, True, "pool"),  # C = 2, Hkv = C
-        (2, pair, "ulysses", None, 2, 1, 8, False, "collator"),  # C = 2, Hkv = C / 2
-        (2, pair, "hybrid", 2, 8, 4, 8, True, "collator"),  # U = C = 2, Hkv = 2C
+        (4, world, "ulysses", None, 8, 4, 8, True, "pool", "reference"),  # Hkv = C
+        (4, world, "ulysses", None, 8, 2, 16, True, "pool", "reference"),  # Hkv = C / 2: shared
+        (4, world, "ulysses", None, 16, 8, 8, False, "pool", "reference"),  # Hkv = 2C
+        (4, world, "ulysses", None, 4, 1, 8, False, "collator", "reference"),  # one kv head
+        (4, world, "hybrid", 2, 8, 2, 8, True, "pool", "reference"),  # Hkv = U
+        (4, world, "hybrid", 2, 4, 1, 16, False, "pool", "reference"),  # Hkv = U / 2: shared
+        (4, world, "hybrid", 2, 8, 4, 8, True, "collator", "reference"),  # Hkv = 2U
+        (4, world, "hybrid", 2, 12, 4, 8, False, "collator", "reference"),
+        (2, pair, "ulysses", None, 4, 2, 8, True, "pool", "reference"),  # C = 2, Hkv = C
+        (2, pair, "ulysses", None, 2, 1, 8, False, "collator", "reference"),  # Hkv = C / 2
+        (2, pair, "hybrid", 2, 8, 4, 8, True, "collator", "reference"),  # U = C = 2, Hkv = 2C
+        # the GPU backends' conventions (fake kernels: reference math, CUDA layouts)
+        (4, world, "ulysses", None, 8, 2, 16, True, "pool", "fake_flash"),
+        (4, world, "hybrid", 2, 8, 4, 16, False, "pool", "fake_cudnn_thd"),
+        (4, world, "hybrid", 2, 4, 2, 16, True, "one", "fake_cudnn"),  # one sequence
     ]
-    for ci, (C, group, method, U, hq, hkv, d, causal, source) in enumerate(cases):
+    for ci, (C, group, method, U, hq, hkv, d, causal, source, backend) in enumerate(cases):
         r = dist.get_rank(group)
         seed = 500 + ci + (100 * (rank // 2) if C == 2 else 0)  # the two pairs differ
-        if source == "pool":
-            lens, cu, tensors = _make_case(seed, C, hq, hkv, d, one_seq=False)
+        if source in ("pool", "one"):
+            lens, cu, tensors = _make_case(seed, C, hq, hkv, d, one_seq=source == "one")
         else:
             lens, cu, tensors = _collator_case(seed, C, hq, hkv, d)
         seq_lens = None if causal else torch.tensor(lens)
@@ -161,9 +168,10 @@ def _parity_body(rank, world_size):
         ref = naive_attention(*ref_in, cu, causal, d ** -0.5, seq_lens)
         ref_grads = torch.autograd.grad(ref, ref_in, dout)
         extra = ci % 3  # trailing rows that belong to no sequence
-        got, local, lse = _run(group, r, C, tensors, cu, causal, seq_lens, extra, method=method,
-                               ulysses_size=U)
-        tag = f"case{ci} C={C} {method} U={U} Hq={hq} Hkv={hkv} causal={causal} rank{rank}"
+        got, local, lse = _run(group, r, C, tensors, cu, causal, seq_lens, extra, backend,
+                               method=method, ulysses_size=U)
+        tag = (f"case{ci} C={C} {method} U={U} Hq={hq} Hkv={hkv} causal={causal} {backend} "
+               f"rank{rank}")
         for name, g, e in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads), strict=True):
             assert_close(g, e, **F64_EXACT, name=f"{tag} {name}")
         # the LSE equals the ring's; U = 1 is the ring and U = C is Ulysses, bit for bit
