@@ -21,6 +21,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -429,7 +430,9 @@ pretrain.main(sys.argv[1:])
 def test_sigterm_while_stuck_in_a_collective(tmp_path):
     """Rank 0 waits in a collective for a stuck rank 1; SIGTERM makes it exit after the grace
     period (not at the process-group timeout or torchrun's SIGKILL), saying why."""
-    port = 29500 + os.getpid() % 1000
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     argv = TINY + ["--steps", "50", "--cp-size", "2", "--stop-grace-s", "2",
