@@ -135,21 +135,22 @@ class CPRopePatch:
         return self._tables[device]
 
 
-@dataclass(eq=False)
 class PackedRope:
     """Stands in for ``(cos, sin)`` inside a patched model: the family's swapped
     ``apply_rotary_pos_emb`` applies cp_rope's kernel with it.
 
     Fields: float32 tables ``[P, rotary_dim // 2]``, the local int32
     ``cu_seqlens [B + 1]``, ``max_seqlen`` (local, host int), ``cp_size``, ``cp_rank``.
+    Deliberately not a dataclass: FSDP2's mixed precision casts the floating
+    tensors inside dataclass arguments to bf16, and the tables must stay float32.
     """
 
-    cos: torch.Tensor
-    sin: torch.Tensor
-    cu_seqlens: torch.Tensor
-    max_seqlen: int
-    cp_size: int
-    cp_rank: int
+    __slots__ = ("cos", "sin", "cu_seqlens", "max_seqlen", "cp_size", "cp_rank")
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
+                 max_seqlen: int, cp_size: int, cp_rank: int) -> None:
+        self.cos, self.sin, self.cu_seqlens = cos, sin, cu_seqlens
+        self.max_seqlen, self.cp_size, self.cp_rank = max_seqlen, cp_size, cp_rank
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]`` (transformers' layout) -> the same, rotated."""
