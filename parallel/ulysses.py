@@ -273,7 +273,7 @@ def hybrid_forward(group, q, k, v, plan, be, scale, *, ring_forward):
         _heads_to_send(x, n, u, send[:, :, lo:hi])
     recv, _ = _a2a(send, a2a)
     del send
-    flat = recv.view(u * n, -1, d)
+    flat = recv.view(u * n, hq_l + 2 * hkv_l, d)
     qg, kg, vg = (flat[:, lo:hi].index_select(0, index)
                   for lo, hi in ((0, hq_l), (hq_l, hq_l + hkv_l), (hq_l + hkv_l, None)))
     del recv, flat
@@ -320,7 +320,7 @@ def hybrid_backward(group, dout, q, k, v, out, lse, plan, be, scale, state, *, r
                            strict=True):
         back[:, lo:hi].index_copy_(0, index, acc.value().to(gd))
     del grads
-    got, _ = _a2a(back.view(u, n, -1, d), a2a)
+    got, _ = _a2a(back.view(u, n, hq_l + 2 * hkv_l, d), a2a)
     del back
     result = []
     for t, h, lo, hi in ((q, hq, 0, hq_l), (k, hkv, hq_l, hq_l + hkv_l),

@@ -187,7 +187,21 @@ def _parity_body(rank, world_size):
                 for a, b in zip((*other, other_lse), (*want, want_lse), strict=True):
                     assert torch.equal(a, b), f"{tag}: {m} U={u} differs"
     _plan_reuse(rank, world)
+    _empty_batches(world)
     _errors_on_every_rank(rank, world)
+
+
+def _empty_batches(group):
+    """No real row at all (only trailing padding rows): output and gradients exactly 0."""
+    for cu in ([0], [0, 0]):
+        cu = torch.tensor(cu, dtype=torch.int32)
+        for method, u in (("ulysses", None), ("hybrid", 2)):
+            q = torch.randn(3, 4, 8, dtype=torch.float64, requires_grad=True)
+            out = context_parallel_attention(q, q, q, cu, 0, group=group, method=method,
+                                             ulysses_size=u, backend="reference")
+            out.backward(torch.randn_like(out))
+            assert torch.equal(out, torch.zeros_like(out)), (method, cu)
+            assert torch.equal(q.grad, torch.zeros_like(q)), (method, cu)
 
 
 def _plan_reuse(rank, group):
