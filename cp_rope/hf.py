@@ -42,6 +42,7 @@ than :data:`MIN_TRANSFORMERS`.
 from __future__ import annotations
 
 import math
+import os
 import re
 import typing
 from dataclasses import dataclass, field
@@ -81,7 +82,12 @@ except ImportError as exc:  # pragma: no cover - exercised by a test that hides 
         f"(transformers>={MIN_TRANSFORMERS})") from exc
 _check_transformers_version(transformers.__version__)
 
-from transformers import AttentionInterface, PreTrainedModel  # noqa: E402
+from transformers import (  # noqa: E402
+    AttentionInterface,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PreTrainedModel,
+)
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.phi3 import modeling_phi3  # noqa: E402
@@ -99,7 +105,8 @@ _FAMILIES = {
 SUPPORTED_FAMILIES = tuple(_FAMILIES)
 ATTN_IMPLEMENTATION = "cp_rope"
 
-__all__ = ["patch_model", "unpatch_model", "model_inputs", "PackedRope", "CPRopePatch",
+__all__ = ["patch_model", "unpatch_model", "model_inputs", "load_causal_lm", "PackedRope",
+           "CPRopePatch",
            "SUPPORTED_FAMILIES", "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS"]
 
 _USE_LOSS = ("compute the loss as cp_rope.parallel.cp_cross_entropy(model(**model_inputs(batch))"
@@ -440,3 +447,42 @@ def model_inputs(batch: PackedBatch) -> dict:
         "max_length_q": int(batch.max_seqlen),
         "max_length_k": int(batch.max_seqlen),
     }
+
+
+# --------------------------------------------------------------------------- loading
+_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32,
+                   seed: int = 0) -> tuple[PreTrainedModel, bool]:
+    """A causal LM of a supported family from a local directory; never downloads.
+
+    Args:
+        path: a directory with ``config.json`` and, optionally, weights
+            (``model.safetensors`` or ``pytorch_model.bin``, sharded or not).
+        dtype: the parameters' dtype (float32 master weights for training).
+        seed: seeds ``torch`` before a random init (a config without weights).
+
+    Returns: ``(model on the CPU, True if weights were loaded / False if initialised
+    from the config)``; attention implementation ``"sdpa"`` until :func:`patch_model`.
+
+    Raises: ValueError naming ``model`` for a path that is not a local directory
+    with ``config.json``, or a model family :func:`patch_model` does not support.
+    """
+    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
+        raise ValueError(f"model={path!r}: not a local directory with config.json (cp_rope "
+                         "never downloads: fetch the checkpoint first, e.g. `hf download "
+                         "ORG/NAME --local-dir DIR`, or write a config with "
+                         "AutoConfig.save_pretrained(DIR) for a random init)")
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    if config.model_type not in _FAMILIES:
+        raise ValueError(f"model={path!r}: model_type {config.model_type!r} is not supported by "
+                         f"cp_rope.hf (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    if any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES):
+        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
+                                                     attn_implementation="sdpa")
+        return model, True
+    torch.manual_seed(seed)
+    config._attn_implementation = "sdpa"
+    return AutoModelForCausalLM.from_config(config, dtype=dtype), False
