@@ -287,6 +287,13 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     else:
         _require(p.ulysses_size == 1, "parallel.ulysses_size", p.ulysses_size,
                  f"is for --cp-method hybrid only (this run: {p.cp_method})")
+    if p.cp_method in ("ulysses", "hybrid"):  # heads split over the all-to-all's U ranks
+        u = p.cp_size if p.cp_method == "ulysses" else p.ulysses_size
+        _require(m.n_heads % u == 0, "model.n_heads", m.n_heads,
+                 f"must be divisible by the all-to-all size U = {u} of --cp-method {p.cp_method}")
+        _require(m.n_kv_heads % u == 0 or u % m.n_kv_heads == 0, "model.n_kv_heads",
+                 m.n_kv_heads, f"must divide or be a multiple of the all-to-all size U = {u} of "
+                 f"--cp-method {p.cp_method}")
     _require(p.cp_split_threshold is None or p.cp_split_threshold >= 1,
              "parallel.cp_split_threshold", p.cp_split_threshold, "must be None or >= 1 token")
     _require(p.cp_split_threshold is None or p.cp_placement == "per_document",
@@ -356,7 +363,6 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
 
 
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {
-    "parallel.cp_method": ("ulysses", "hybrid"),
     "parallel.cp_placement": ("per_document",),
 }
 """Choices the config declares but the trainer does not run yet (their flags exist so that

@@ -47,7 +47,8 @@ class Attention(nn.Module):
         q, k = rope(q, k, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                     cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, backend=ctx.rope_backend)
         o = context_parallel_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, group=ctx.cp_group,
-                                       causal=True, method=ctx.cp_method, backend=ctx.attn_backend)
+                                       causal=True, method=ctx.cp_method, backend=ctx.attn_backend,
+                                       ulysses_size=ctx.ulysses_size)
         return self.wo(o.reshape(t, self.n_heads * self.head_dim))
 
 
@@ -95,7 +96,7 @@ class _Ctx:
     """Per-forward batch layout and CP settings passed to every block."""
 
     __slots__ = ("cu_seqlens", "max_seqlen", "cp_group", "cp_size", "cp_rank", "cp_method",
-                 "attn_backend", "rope_backend")
+                 "attn_backend", "rope_backend", "ulysses_size")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -142,19 +143,22 @@ class Transformer(nn.Module):
 
     def configure_attention(self, *, cp_group: dist.ProcessGroup | None = None,
                             cp_method: str = "ring", attn_backend: str = "auto",
-                            rope_backend: str = "auto") -> None:
+                            rope_backend: str = "auto", ulysses_size: int | None = None) -> None:
         """How every attention layer runs (no parameters change).
 
         Args:
             cp_group: the context-parallel process group (the ``"cp"`` dim of the
                 mesh); ``None`` = no CP (this process holds whole sequences).
-            cp_method: ``"ring"`` or ``"allgather"`` (see context_parallel_attention).
+            cp_method: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"`` (see
+                context_parallel_attention).
+            ulysses_size: ``"hybrid"`` only: ranks per all-to-all group (divides the CP size).
             attn_backend, rope_backend: kernel selection passed through.
         """
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
+        self.ulysses_size = ulysses_size
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -172,7 +176,8 @@ class Transformer(nn.Module):
                 ) -> torch.Tensor:
         ctx = _Ctx(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), cp_group=self.cp_group,
                    cp_size=self.cp_size, cp_rank=self.cp_rank, cp_method=self.cp_method,
-                   attn_backend=self.attn_backend, rope_backend=self.rope_backend)
+                   attn_backend=self.attn_backend, rope_backend=self.rope_backend,
+                   ulysses_size=self.ulysses_size)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)

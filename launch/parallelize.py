@@ -57,7 +57,8 @@ def apply_cp(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
     """Attention over ``mesh["cp"]`` with ``parallel.cp_method`` and the kernel backends."""
     p = cfg.parallel
     model.configure_attention(cp_group=mesh["cp"].get_group(), cp_method=p.cp_method,
-                              attn_backend=p.attn_backend, rope_backend=p.rope_backend)
+                              attn_backend=p.attn_backend, rope_backend=p.rope_backend,
+                              ulysses_size=p.ulysses_size if p.cp_method == "hybrid" else None)
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:

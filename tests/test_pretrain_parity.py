@@ -113,7 +113,7 @@ GPU_GRAD_NORM_RTOL = 2e-2
 
 
 def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
-                ac: bool = False) -> None:
+                ac: bool = False, method: str = "ring") -> None:
     """CPU: fp32 model, plain all-reduce (or FSDP2 fp32), elementwise fp32 tolerances. GPU: the
     production FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16
     tolerances."""
@@ -137,14 +137,15 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
     model = _build(device)
     parallelize(model, mesh, PretrainConfig(
         model=_model_cfg(activation_checkpointing=ac),
-        parallel=ParallelConfig(cp_size=cp, fsdp="on" if fsdp else "off"),
+        parallel=ParallelConfig(cp_size=cp, fsdp="on" if fsdp else "off", cp_method=method,
+                                ulysses_size=2 if method == "hybrid" else 1),
         train=TrainConfig(dtype="bfloat16" if gpu else "float32")))
     assert model.cp_size == cp and all(b.checkpoint_activations == ac for b in model.layers)
     loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
 
-    where = f"dp={dp} cp={cp} labels={labels} fsdp={fsdp} ac={ac} rank={dist.get_rank()}"
+    where = f"dp={dp} cp={cp} {method} labels={labels} fsdp={fsdp} ac={ac} rank={dist.get_rank()}"
     assert_close(loss.reshape(1), ref_loss.reshape(1), dtype=tol_dtype, name=f"loss [{where}]")
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient [{where}]"
@@ -166,8 +167,10 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
 
 def _parity_body(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
-    for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing)
-        _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac="ac" in opts)
+    for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing), a method
+        method = next((o for o in opts if o in ("allgather", "ulysses", "hybrid")), "ring")
+        _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac="ac" in opts,
+                    method=method)
 
 
 def test_parity_cp1():
@@ -184,8 +187,10 @@ def test_parity_cp2():
 
 
 def test_parity_cp4_and_dp2_cp2():
+    # then Ulysses (Hq 4 over 4 ranks, kv heads shared by 2) and hybrid (U = 2: 2 x 2 ring)
     run_distributed(_parity_body, 4, [(1, 4, "all"), (1, 4, "one"), (1, 4, "none"),
-                                      (2, 2, "all"), (2, 2, "one")])
+                                      (2, 2, "all"), (2, 2, "one"), (1, 4, "all", "ulysses"),
+                                      (1, 4, "one", "hybrid"), (1, 4, "all", "hybrid", "ac")])
 
 
 # ---------------------------------------------------------------- GPU (torchrun)
