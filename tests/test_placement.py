@@ -22,8 +22,11 @@ import itertools
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from utils import assert_close
 
 from cp_rope import global_positions
 from cp_rope.parallel import PackingCollator, cp_shard_indices, shard_batch
@@ -271,3 +274,90 @@ def test_bad_arguments():
     p = place_documents(_cu([8]), 2, 4)
     with pytest.raises(ValueError, match="cp_rank"):
         p.indices(2)
+
+
+# --------------------------------------------------------------------------- multi-rank
+
+def _padded(lengths, cp):
+    return [-(-n // (2 * cp)) * (2 * cp) for n in lengths]
+
+
+def _cases(cp):
+    """(name, true lengths, split_threshold, causal): padded to multiples of 2 * cp."""
+    m = 2 * cp
+    return [
+        ("mixed", [37, 1, 130, 8, 23, 64, 0, 5], 3 * m, True),
+        ("mixed-noncausal", [37, 1, 130, 8, 23, 64, 0, 5], 3 * m, False),
+        ("all-short", [5, 9, 3, 12, 7], 64, True),
+        ("all-long", [40, 70, 33], m, True),
+        ("zero-length", [0, 20, 0, 0, 44, 0], 3 * m, True),
+        ("one-short", [9], 32, True),  # ranks > 0 hold padding only
+        ("one-long", [90], 32, True),
+    ]
+
+
+def _attention_case(rank, group, cp, lengths, threshold, causal, method, seed, reuse_plan):
+    from test_attention import naive_attention
+
+    from cp_rope.parallel import unshard
+    from cp_rope.parallel.per_document import PerDocumentPlan, per_document_attention
+
+    gen = torch.Generator().manual_seed(seed)
+    true = torch.tensor(lengths, dtype=torch.int64)
+    cu = _cu(_padded(lengths, cp))
+    T, hq, hkv, d = int(cu[-1]), 4, 2, 8
+    q, k, v = (torch.randn(T, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    dout = torch.randn(T, hq, d, generator=gen, dtype=torch.float64)
+    scale = 0.37
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_in, cu, causal, scale, seq_lens=None if causal else true)
+    ref.backward(dout)
+
+    p = place_documents(cu, cp, threshold)
+    idx, n = p.indices(rank), p.n_valid(rank)
+    pad = p.n_rows - n
+
+    def local(t):  # this rank's rows, then random trailing padding rows
+        return torch.cat([t[idx], torch.randn(pad, *t.shape[1:], generator=gen, dtype=t.dtype)])
+
+    lq, lk, lv = (local(t).requires_grad_() for t in (q, k, v))
+    lcu = p.local_cu_seqlens(rank)
+    seq_lens = None if causal else true[torch.from_numpy(p.seq_ids(rank))]
+    kw = dict(group=group, causal=causal, softmax_scale=scale, method=method, backend="reference")
+    if reuse_plan:
+        plan = PerDocumentPlan.build(p, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=q.dtype,
+                                     device="cpu", group=group, causal=causal, method=method,
+                                     seq_lens=seq_lens)
+        for _ in range(2):  # the plan serves several layers
+            out = per_document_attention(lq, lk, lv, lcu, p.max_seqlen(rank), plan=plan, **kw)
+    else:
+        out = per_document_attention(lq, lk, lv, lcu, p.max_seqlen(rank), placement=p,
+                                     seq_lens=seq_lens, **kw)
+    out.backward(local(dout))
+    assert out.shape == lq.shape
+    for name, t in (("out", out), ("dq", lq.grad), ("dk", lk.grad), ("dv", lv.grad)):
+        assert torch.equal(t[n:], torch.zeros_like(t[n:])), f"{name}: padding rows not 0"
+    for name, got, want in (("out", out, ref), ("dq", lq.grad, ref_in[0].grad),
+                            ("dk", lk.grad, ref_in[1].grad), ("dv", lv.grad, ref_in[2].grad)):
+        gathered = unshard(got.detach(), lcu, group, placement=p)
+        assert_close(gathered, want.detach(), atol=1e-10, rtol=0.0, name=name)
+
+
+def _attention_body(rank, world_size):
+    groups = {cp: dist.new_group(list(range(cp))) for cp in (2, 3, 4)}
+    for cp, group in groups.items():
+        if rank >= cp:
+            continue
+        for i, (name, lengths, threshold, causal) in enumerate(_cases(cp)):
+            for method in ("ring", "allgather"):
+                try:
+                    _attention_case(rank, group, cp, lengths, threshold, causal, method,
+                                    seed=100 * cp + i, reuse_plan=name == "mixed")
+                except AssertionError as exc:
+                    raise AssertionError(f"cp={cp} {name} {method}: {exc}") from exc
+
+
+def test_attention_matches_single_process():
+    """cp 2, 3, 4 (subgroups of one 4-rank world), ring and all-gather, float64: forward and
+    gradients of CP attention on per-document shards == single-process attention (1e-10)."""
+    run_distributed(_attention_body, 4)

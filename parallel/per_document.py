@@ -1,0 +1,182 @@
+"""CP attention of per-document shards (:mod:`cp_rope.parallel.placement`).
+
+A per-document shard holds, in this order, the zigzag shares of the *split*
+documents (the same local lengths on every rank), the rank's *whole* documents,
+then trailing padding. :func:`per_document_attention` runs the split prefix with
+:func:`~cp_rope.parallel.context_parallel_attention` over the CP group (ring,
+all-gather, ...: any method) and the rest as plain local attention with the same
+block backend (a one-rank plan: no communication), then concatenates the two
+results. Both parts are exact, so the result equals single-process attention
+over the global sequences (``tests/test_placement.py``). A
+:class:`PerDocumentPlan` (two :class:`~cp_rope.parallel.CPAttentionPlan`) is
+built once per batch; the collective of a plan build happens only when the
+batch has split documents.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from cp_rope.validation import check_cu_seqlens
+
+from .attention import context_parallel_attention
+from .placement import DocumentPlacement
+from .plan import CPAttentionPlan
+
+__all__ = ["PerDocumentPlan", "per_document_attention"]
+
+
+class PerDocumentPlan:
+    """The attention plan of a per-document shard (:mod:`cp_rope.parallel.placement`).
+
+    The shard's first ``split_rows`` rows are the zigzag shares of the split documents
+    (the same local lengths on every rank): ``split`` (a :class:`CPAttentionPlan` over
+    the group; None when the batch has no split document) runs them by the CP method.
+    The other rows (the rank's whole documents, then trailing padding) are plain local
+    attention, ``whole`` (a one-rank plan: no communication). Build once per batch with
+    :meth:`build` and pass as ``plan=`` to every layer; attributes: ``placement``,
+    ``split``, ``whole``, ``split_rows``, ``n_tokens``, ``group`` (None at cp_size 1),
+    ``cp_rank``.
+    """
+
+    __slots__ = ("placement", "split", "whole", "split_rows", "n_tokens", "group", "cp_rank")
+
+    @classmethod
+    def build(cls, placement: DocumentPlacement, *, q_heads: int, kv_heads: int, head_dim: int,
+              dtype: torch.dtype, device: torch.device | str, n_tokens: int | None = None,
+              group: dist.ProcessGroup | None = None, causal: bool = True, method: str = "ring",
+              seq_lens: torch.Tensor | None = None) -> PerDocumentPlan:
+        """Build the plan of this rank's shard; collective over ``group`` (through the split
+        part's :meth:`CPAttentionPlan.build`) only when the batch has split documents.
+
+        Args: as :meth:`CPAttentionPlan.build`, with the batch's ``placement`` instead of
+        ``cu_seqlens`` / ``max_seqlen``; ``n_tokens`` defaults to ``placement.n_rows``;
+        ``seq_lens`` (``causal=False``): true lengths ``[B_r]`` of the local sequences.
+
+        Raises: TypeError if ``placement`` is not a DocumentPlacement; ValueError if the
+        group size is not ``placement.cp_size`` or ``n_tokens`` is below this rank's rows;
+        as :meth:`CPAttentionPlan.build` otherwise.
+        """
+        if not isinstance(placement, DocumentPlacement):
+            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+        if group is not None and dist.get_world_size(group) == 1:
+            group = None
+        size = dist.get_world_size(group) if group is not None else 1
+        rank = dist.get_rank(group) if group is not None else 0
+        if size != placement.cp_size:
+            raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
+                             f"{size} rank(s)")
+        cu = placement.local_cu_seqlens(rank)
+        ns, rows = placement.num_split, placement.split_rows
+        n_tokens = placement.n_rows if n_tokens is None else n_tokens
+        if n_tokens < int(cu[-1]):
+            raise ValueError(f"n_tokens={n_tokens} is below rank {rank}'s {int(cu[-1])} rows "
+                             "under placement")
+        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor)
+                                     or tuple(seq_lens.shape) != (cu.numel() - 1,)):
+            raise ValueError(f"seq_lens: with placement, the true lengths of the {cu.numel() - 1} "
+                             f"local sequences [B_r], got {getattr(seq_lens, 'shape', seq_lens)}")
+        kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                  causal=causal, method=method)
+        self = object.__new__(cls)
+        self.placement, self.split_rows, self.n_tokens = placement, rows, n_tokens
+        self.group, self.cp_rank = group, rank
+        self.split = None if ns == 0 else CPAttentionPlan.build(
+            cu[:ns + 1], placement.split_max_seqlen, n_tokens=rows, group=group,
+            seq_lens=None if seq_lens is None else seq_lens[:ns], **kw)
+        self.whole = CPAttentionPlan.build(
+            cu[ns:] - cu[ns], placement.whole_max_seqlen(rank), n_tokens=n_tokens - rows,
+            group=None, seq_lens=None if seq_lens is None else seq_lens[ns:], **kw)
+        return self
+
+    def __repr__(self) -> str:
+        return (f"PerDocumentPlan(cp={self.cp_rank}/{self.placement.cp_size}, "
+                f"split_rows={self.split_rows}, n_tokens={self.n_tokens}, split={self.split}, "
+                f"whole={self.whole})")
+
+
+def per_document_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens: torch.Tensor | None = None,
+    max_seqlen: int | None = None,
+    *,
+    placement: DocumentPlacement | None = None,
+    plan: PerDocumentPlan | None = None,
+    group: dist.ProcessGroup | None = None,
+    causal: bool = True,
+    softmax_scale: float | None = None,
+    method: str = "ring",
+    backend: str = "auto",
+    seq_lens: torch.Tensor | None = None,
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Attention of a per-document shard: equals attention over the global sequences.
+
+    Args:
+        q: ``[T, Hq, D]``, k, v: ``[T, Hkv, D]``: this rank's shard (``T = placement.n_rows``
+            unless the plan says otherwise), as :func:`context_parallel_attention` takes them.
+        cu_seqlens: None, or this rank's local cu_seqlens (``batch.cu_seqlens``; compared
+            with the placement's for CPU tensors).
+        max_seqlen: None, or a host int >= this rank's longest local sequence.
+        placement: the batch's :class:`~cp_rope.parallel.placement.DocumentPlacement`
+            (``batch.placement``); or
+        plan: a :class:`PerDocumentPlan` of the batch (built once, reused by every layer).
+        group: the CP group (size ``placement.cp_size``); with ``plan``: None or the plan's.
+        causal, softmax_scale, method, backend, return_lse: as
+            :func:`context_parallel_attention`; the method runs the split documents.
+        seq_lens: ``causal=False`` only, without ``plan``: int ``[B_r]`` true lengths of
+            the *local* sequences (``batch.seq_lens[placement.seq_ids(r)]``).
+
+    Returns: ``[T, Hq, D]`` (and with ``return_lse`` the LSE ``[Hq, T]``), differentiable;
+    padding rows (from ``placement.n_valid(r)``) are 0 and get gradient 0. A rank holding
+    no document returns zeros.
+
+    Raises: TypeError / ValueError naming the argument (no placement or plan, a plan of
+    another placement, cu_seqlens / max_seqlen / T that do not match it); as
+    :func:`context_parallel_attention` for the rest.
+    """
+    if plan is None:
+        if placement is None:
+            raise ValueError("placement: pass the batch's placement (batch.placement) or a plan")
+        if not isinstance(placement, DocumentPlacement):
+            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+        plan = PerDocumentPlan.build(
+            placement, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
+            dtype=q.dtype, device=q.device, n_tokens=q.shape[0], group=group, causal=causal,
+            method=method, seq_lens=seq_lens)
+    elif not isinstance(plan, PerDocumentPlan):
+        raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
+                        f"{type(plan).__name__}")
+    else:
+        if placement is not None and placement is not plan.placement:
+            raise ValueError("plan: built for another placement (build a plan per batch)")
+        if seq_lens is not None:
+            raise ValueError("plan: seq_lens goes to PerDocumentPlan.build (pass seq_lens=None "
+                             "with a plan)")
+        if group is not None and dist.get_world_size(group) > 1 and group is not plan.group:
+            raise ValueError("plan: built for another CP group (pass the plan's group or None)")
+    placement, r = plan.placement, plan.cp_rank
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, device=q.device)
+        if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens,
+                                                               placement.local_cu_seqlens(r)):
+            raise ValueError(f"cu_seqlens: not rank {r}'s local cu_seqlens under placement")
+    if max_seqlen is not None and max_seqlen < placement.max_seqlen(r):
+        raise ValueError(f"max_seqlen = {max_seqlen} is below rank {r}'s longest local sequence "
+                         f"({placement.max_seqlen(r)})")
+    if q.shape[0] != plan.n_tokens:
+        raise ValueError(f"plan: built for T={plan.n_tokens} rows, got q {tuple(q.shape)}")
+    ns = plan.split_rows
+    kw = dict(causal=causal, softmax_scale=softmax_scale, method=method, backend=backend,
+              return_lse=True)
+    parts = [] if plan.split is None else [context_parallel_attention(
+        q[:ns], k[:ns], v[:ns], None, None, group=plan.group, plan=plan.split, **kw)]
+    parts.append(context_parallel_attention(q[ns:], k[ns:], v[ns:], None, None, plan=plan.whole,
+                                            **kw))
+    out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
+    if not return_lse:
+        return out
+    return out, torch.cat([lse for _, lse in parts], 1) if len(parts) > 1 else parts[0][1]
