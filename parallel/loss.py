@@ -76,13 +76,21 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
         docstring): gradients must be **summed** over ``group``.
 
     Raises:
-        ValueError: shapes that do not match, or a bad ``cu_seqlens`` (not 1-D,
-            not starting at 0, decreasing, ending beyond ``T``), naming the argument.
-        TypeError: non-integer labels or ``ignore_index``, non-float logits,
-            ``cu_seqlens`` not an int32 tensor.
+        ValueError: shapes that do not match, labels on another device than
+            logits, a label outside ``[0, V)`` that is not ``ignore_index``
+            (checked for CPU tensors, and on devices with ``CP_ROPE_DEBUG=1``,
+            as :func:`cp_rope.validation.content_checks_enabled`), or a bad
+            ``cu_seqlens`` (not 1-D, not starting at 0, decreasing, ending
+            beyond ``T``), naming the argument.
+        TypeError: logits or labels not tensors, non-integer labels or
+            ``ignore_index``, non-float logits, ``cu_seqlens`` not an int32 tensor.
 
     Cost: one all-reduce of two float64 scalars (the loss sum and the count).
     """
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    if not isinstance(labels, torch.Tensor):
+        raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
     if logits.dim() != 2:
         raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
@@ -92,7 +100,16 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                          f"got shape {tuple(labels.shape)}")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
+    if labels.device != logits.device:
+        raise ValueError(f"labels must be on logits' device {logits.device}, got {labels.device}")
     ignore_index = check_int("ignore_index", ignore_index)
+    if content_checks_enabled(labels):  # reads labels on the host: CPU, or CP_ROPE_DEBUG=1
+        n_classes = logits.shape[1]
+        bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_classes))
+        if bool(bad.any()):
+            t = int(torch.nonzero(bad)[0])
+            raise ValueError(f"labels must be in [0, {n_classes}) (logits.shape[1]) or "
+                             f"ignore_index={ignore_index}; labels[{t}] = {int(labels[t])}")
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, device=labels.device)
         if content_checks_enabled(cu_seqlens):

@@ -258,9 +258,10 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
     def load_state_dict(self, state: Mapping[str, int]) -> None:
         """Resume: the next iteration starts after ``state["batches_consumed"]`` batches.
 
-        Raises: TypeError if ``state`` is not a mapping; ValueError if a key is
-        missing, the fingerprint differs, or ``batches_consumed`` is outside the
-        epoch (the sampler is left unchanged).
+        Raises: TypeError if ``state`` is not a mapping or ``epoch`` /
+        ``batches_consumed`` is not an int; ValueError if a key is missing, the
+        fingerprint differs, ``epoch`` is negative, or ``batches_consumed`` is
+        outside the epoch. The sampler is left unchanged when it raises.
         """
         if not isinstance(state, Mapping):
             raise TypeError(f"state must be a mapping (from state_dict()), got {type(state).__name__}")
@@ -271,7 +272,8 @@ class TokenBudgetBatchSampler(Sampler[list[tuple[int, int, int]]]):
             raise ValueError("state: saved by a sampler with other lengths or settings "
                              "(lengths, max_tokens, cp_size, window, shuffle, seed, dp_size, "
                              "drop_last must match)")
-        epoch, n = int(state["epoch"]), int(state["batches_consumed"])
+        epoch = check_int("state['epoch']", state["epoch"], min_value=0)
+        n = check_int("state['batches_consumed']", state["batches_consumed"], min_value=0)
         old_epoch, self.epoch = self.epoch, epoch
         n_batches = len(self)
         if not 0 <= n <= n_batches:

@@ -16,7 +16,12 @@ import torch
 import torch.distributed as dist
 
 from cp_rope.positions import global_positions
-from cp_rope.validation import check_cp_args, check_cu_seqlens, check_cu_seqlens_content
+from cp_rope.validation import (
+    check_cp_args,
+    check_cu_seqlens,
+    check_cu_seqlens_content,
+    check_max_seqlen,
+)
 
 from .batch import PackedBatch
 from .placement import check_placement, place_documents, shard_placed, unshard_placed
@@ -129,10 +134,11 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int, *, placement: st
     ``cp_size``); ``seq_lens`` (true global lengths) is shared, not copied.
 
     Raises:
-        TypeError: ``batch`` is not a PackedBatch; cp args not ints;
-            ``batch.cu_seqlens`` not an int32 tensor.
+        TypeError: ``batch`` is not a PackedBatch; cp args or ``batch.max_seqlen``
+            not ints; ``batch.cu_seqlens`` not an int32 tensor.
         ValueError: ``batch.cu_seqlens`` not 1-D, not starting at 0 or
-            decreasing; the batch is already a shard (``batch.cp_size != 1``), has
+            decreasing; ``batch.max_seqlen`` below the longest sequence;
+            ``labels`` / ``position_ids`` not of ``input_ids``' shape; the batch is already a shard (``batch.cp_size != 1``), has
             trailing rows beyond ``cu_seqlens[-1]``, or a sequence length not
             divisible by ``2 * cp_size``; ``cp_rank`` out of range; an unknown
             ``placement``, a ``split_threshold`` with ``"zigzag"``, none or a negative
@@ -144,7 +150,15 @@ def shard_batch(batch: PackedBatch, cp_size: int, cp_rank: int, *, placement: st
         raise TypeError(f"batch must be a PackedBatch, got {type(batch).__name__}")
     cp_size, cp_rank = check_cp_args(cp_size, cp_rank)
     check_cu_seqlens(batch.cu_seqlens, name="batch.cu_seqlens")
-    check_cu_seqlens_content(batch.cu_seqlens, name="batch.cu_seqlens")
+    max_seqlen = check_max_seqlen(batch.max_seqlen, allow_none=False)
+    check_cu_seqlens_content(batch.cu_seqlens, max_seqlen=max_seqlen, name="batch.cu_seqlens")
+    for name in ("labels", "position_ids"):
+        field = getattr(batch, name)
+        if not isinstance(field, torch.Tensor) or field.shape != batch.input_ids.shape:
+            got = tuple(field.shape) if isinstance(field, torch.Tensor) else type(field).__name__
+            raise ValueError(f"batch.{name}: {got}, but input_ids has shape "
+                             f"{tuple(batch.input_ids.shape)}: every per-token field has one row "
+                             f"per token")
     if batch.cp_size != 1:
         raise ValueError(f"batch: already a shard (cp_size={batch.cp_size}, "
                          f"cp_rank={batch.cp_rank}); shard the global batch")
@@ -195,26 +209,55 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
 
     Raises: TypeError if ``local`` is not a tensor or ``cu_seqlens`` not an int32 tensor;
     ValueError if ``cu_seqlens`` is not 1-D, does not start at 0 or decreases, ``local`` has
-    fewer rows than ``cu_seqlens[-1]``, or a local length is odd (with ``C > 1``).
+    fewer rows than ``cu_seqlens[-1]``, or a local length is odd (with ``C > 1``). With
+    ``C > 1`` the ranks first exchange their ``cu_seqlens`` (one ``all_gather_object``):
+    a rank's bad input, or ``cu_seqlens`` / trailing shapes / dtypes that differ between
+    ranks, raise on every rank (a ValueError naming the ranks on the others).
     """
     if placement is not None:
         return unshard_placed(local, cu_seqlens, placement, group)
     if not isinstance(local, torch.Tensor):
         raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
-    check_cu_seqlens(cu_seqlens)
     cp_size = dist.get_world_size(group) if dist.is_initialized() else 1
-    check_cu_seqlens_content(cu_seqlens, cp_size=cp_size)
-    n_local = int(cu_seqlens[-1])
-    if local.shape[0] < n_local:
-        raise ValueError(f"local: {local.shape[0]} rows but cu_seqlens[-1] = {n_local}")
-    local = local[:n_local].contiguous()
     if cp_size == 1:
-        return local.clone()
+        return _unshard_rows(local, cu_seqlens, 1).clone()
+    # Check before the data moves, and agree across ranks: a rank whose input fails
+    # raises its own error, the others a ValueError naming it, instead of a hang or
+    # a wrong gather.
+    err, sig = None, None
+    try:
+        local = _unshard_rows(local, cu_seqlens, cp_size)
+        sig = (cu_seqlens.tolist(), tuple(local.shape[1:]), str(local.dtype))
+    except (TypeError, ValueError) as exc:
+        err = exc
+    views: list = [None] * cp_size
+    dist.all_gather_object(views, (None if err is None else str(err), sig), group=group)
+    if err is not None:
+        raise err
+    failed = [r for r, (e, _) in enumerate(views) if e is not None]
+    if failed:
+        raise ValueError(f"unshard: rank {failed[0]} of the group refused its input: "
+                         f"{views[failed[0]][0]}")
+    if any(v[1] != sig for v in views):
+        detail = "; ".join(f"rank {r}: cu_seqlens={v[1][0]}, local.shape[1:]={v[1][1]}, "
+                           f"{v[1][2]}" for r, v in enumerate(views))
+        raise ValueError(f"unshard: cu_seqlens, local's trailing shape and dtype must be the "
+                         f"same on every rank of the group; {detail}")
+    n_local = local.shape[0]
     global_cu = cu_seqlens * cp_size
-    # Validate before the collective, so bad input fails on every rank alike.
     dest = torch.cat([cp_shard_indices(global_cu, cp_size, r) for r in range(cp_size)])
     parts = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(parts, local, group=group)
     out = local.new_empty((n_local * cp_size, *local.shape[1:]))
     out[dest.to(out.device)] = torch.cat(parts)
     return out
+
+
+def _unshard_rows(local: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
+    """``local``'s first ``cu_seqlens[-1]`` rows after :func:`unshard`'s one-rank checks."""
+    check_cu_seqlens(cu_seqlens)
+    check_cu_seqlens_content(cu_seqlens, cp_size=cp_size)
+    n_local = int(cu_seqlens[-1])
+    if local.shape[0] < n_local:
+        raise ValueError(f"local: {local.shape[0]} rows but cu_seqlens[-1] = {n_local}")
+    return local[:n_local].contiguous()
