@@ -28,6 +28,12 @@ _EXPORTS = {
     "shard_tensor": "sharding",
     "shard_batch": "sharding",
     "unshard": "sharding",
+    # per-document placement (short documents whole on one rank)
+    "place_documents": "placement",
+    "DocumentPlacement": "placement",
+    "default_split_threshold": "placement",
+    "per_document_attention": "per_document",
+    "PerDocumentPlan": "per_document",
     # CP attention
     "context_parallel_attention": "attention",
     "CPAttentionPlan": "plan",
