@@ -161,6 +161,8 @@ def test_console_log(tmp_path, capsys):
     (["--n-kv-heads", "3"], "model.n_kv_heads"),
     (["--lr", "-1"], "optim.lr"),
     (["--cp-method", "allgather", "--ulysses-size", "2"], "parallel.ulysses_size"),
+    (["--cp-method", "hybrid", "--cp-size", "4", "--ulysses-size", "3"], "parallel.ulysses_size"),
+    (["--cp-method", "ulysses", "--cp-size", "8"], "model.n_heads"),  # 4 heads over 8 ranks
     (["--cp-split-threshold", "64"], "parallel.cp_split_threshold"),
     (["--seq-len", "130", "--cp-size", "4"], "data.seq_len"),
     (["--tokens-per-batch", "100", "--seq-len", "128"], "data.tokens_per_batch"),
@@ -179,8 +181,15 @@ def test_the_message_names_field_value_and_reason():
         validate(parse_args(["--n-heads", "3"]))
 
 
-@pytest.mark.parametrize("argv", [["--cp-method", "ulysses"], ["--cp-method", "hybrid"],
-                                  ["--cp-placement", "per_document"]])
+def test_ulysses_and_hybrid_are_wired():
+    for argv in (["--cp-method", "ulysses", "--cp-size", "4"],
+                 ["--cp-method", "hybrid", "--cp-size", "4", "--ulysses-size", "2"]):
+        cfg = parse_args(argv)
+        validate(cfg)
+        assert cfg.parallel.cp_method == argv[1]
+
+
+@pytest.mark.parametrize("argv", [["--cp-placement", "per_document"]])
 def test_declared_methods_not_wired_yet_are_refused(argv):
     """The flags exist (scripts may name them); the trainer refuses them, naming the field."""
     field = "parallel.cp_method" if argv[0] == "--cp-method" else "parallel.cp_placement"
