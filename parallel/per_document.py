@@ -36,8 +36,8 @@ class PerDocumentPlan:
     The other rows (the rank's whole documents, then trailing padding) are plain local
     attention, ``whole`` (a one-rank plan: no communication). Build once per batch with
     :meth:`build` and pass as ``plan=`` to every layer; attributes: ``placement``,
-    ``split``, ``whole``, ``split_rows``, ``n_tokens``, ``group`` (None at cp_size 1),
-    ``cp_rank``.
+    ``split``, ``whole``, ``split_rows``, ``n_tokens``, ``group`` (the split plan's
+    group; None without split documents or at cp_size 1), ``cp_rank``.
     """
 
     __slots__ = ("placement", "split", "whole", "split_rows", "n_tokens", "group", "cp_rank")
@@ -46,24 +46,58 @@ class PerDocumentPlan:
     def build(cls, placement: DocumentPlacement, *, q_heads: int, kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: torch.device | str, n_tokens: int | None = None,
               group: dist.ProcessGroup | None = None, causal: bool = True, method: str = "ring",
-              seq_lens: torch.Tensor | None = None) -> PerDocumentPlan:
+              seq_lens: torch.Tensor | None = None,
+              ulysses_size: int | None = None) -> PerDocumentPlan:
         """Build the plan of this rank's shard; collective over ``group`` (through the split
         part's :meth:`CPAttentionPlan.build`) only when the batch has split documents.
 
         Args: as :meth:`CPAttentionPlan.build`, with the batch's ``placement`` instead of
         ``cu_seqlens`` / ``max_seqlen``; ``n_tokens`` defaults to ``placement.n_rows``;
+        ``method`` / ``ulysses_size`` are the split documents' (whole ones attend locally);
         ``seq_lens`` (``causal=False``): true lengths ``[B_r]`` of the local sequences.
 
         Raises: TypeError if ``placement`` is not a DocumentPlacement; ValueError if the
         group size is not ``placement.cp_size`` or ``n_tokens`` is below this rank's rows;
         as :meth:`CPAttentionPlan.build` otherwise.
         """
-        if not isinstance(placement, DocumentPlacement):
-            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         size = dist.get_world_size(group) if group is not None else 1
         rank = dist.get_rank(group) if group is not None else 0
+
+        def split(cu, max_seqlen, **kw):
+            return CPAttentionPlan.build(cu, max_seqlen, group=group, ulysses_size=ulysses_size,
+                                         **kw)
+
+        return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,
+                             head_dim=head_dim, dtype=dtype, device=device, n_tokens=n_tokens,
+                             causal=causal, method=method, seq_lens=seq_lens)
+
+    @classmethod
+    def simulated(cls, placement: DocumentPlacement, cp_rank: int, **kwargs) -> PerDocumentPlan:
+        """The plan rank ``cp_rank`` would build, without a group, for one-GPU scaling studies
+        (``scripts/bench_cp_attention.py --simulate-cp --placement per_document``): the split
+        part is :meth:`CPAttentionPlan.simulated` (loopback exchanges: the right shapes,
+        blocks and kernels, not attention of any input), the whole part the real local one.
+        ``kwargs``: as :meth:`build` without ``group`` (method ring or allgather).
+        """
+        if "group" in kwargs or "ulysses_size" in kwargs:
+            raise TypeError("simulated() takes cp_rank, not group / ulysses_size")
+        if not isinstance(placement, DocumentPlacement):
+            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+        rank = placement._rank(cp_rank)
+
+        def split(cu, max_seqlen, **kw):
+            return CPAttentionPlan.simulated(cu, max_seqlen, cp_size=placement.cp_size,
+                                             cp_rank=rank, **kw)
+
+        return cls._assemble(placement, placement.cp_size, rank, split, **kwargs)
+
+    @classmethod
+    def _assemble(cls, placement, size, rank, split_plan, *, q_heads, kv_heads, head_dim, dtype,
+                  device, n_tokens=None, causal=True, method="ring", seq_lens=None):
+        if not isinstance(placement, DocumentPlacement):
+            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
         if size != placement.cp_size:
             raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
                              f"{size} rank(s)")
@@ -78,16 +112,16 @@ class PerDocumentPlan:
             raise ValueError(f"seq_lens: with placement, the true lengths of the {cu.numel() - 1} "
                              f"local sequences [B_r], got {getattr(seq_lens, 'shape', seq_lens)}")
         kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
-                  causal=causal, method=method)
+                  causal=causal)
         self = object.__new__(cls)
-        self.placement, self.split_rows, self.n_tokens = placement, rows, n_tokens
-        self.group, self.cp_rank = group, rank
-        self.split = None if ns == 0 else CPAttentionPlan.build(
-            cu[:ns + 1], placement.split_max_seqlen, n_tokens=rows, group=group,
+        self.placement, self.split_rows, self.n_tokens, self.cp_rank = placement, rows, n_tokens, rank
+        self.split = None if ns == 0 else split_plan(
+            cu[:ns + 1], placement.split_max_seqlen, n_tokens=rows, method=method,
             seq_lens=None if seq_lens is None else seq_lens[:ns], **kw)
+        self.group = None if self.split is None else self.split.group
         self.whole = CPAttentionPlan.build(
             cu[ns:] - cu[ns], placement.whole_max_seqlen(rank), n_tokens=n_tokens - rows,
-            group=None, seq_lens=None if seq_lens is None else seq_lens[ns:], **kw)
+            method="ring", seq_lens=None if seq_lens is None else seq_lens[ns:], **kw)
         return self
 
     def __repr__(self) -> str:
@@ -111,6 +145,7 @@ def per_document_attention(
     method: str = "ring",
     backend: str = "auto",
     seq_lens: torch.Tensor | None = None,
+    ulysses_size: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a per-document shard: equals attention over the global sequences.
@@ -125,8 +160,9 @@ def per_document_attention(
             (``batch.placement``); or
         plan: a :class:`PerDocumentPlan` of the batch (built once, reused by every layer).
         group: the CP group (size ``placement.cp_size``); with ``plan``: None or the plan's.
-        causal, softmax_scale, method, backend, return_lse: as
-            :func:`context_parallel_attention`; the method runs the split documents.
+        causal, softmax_scale, method, backend, ulysses_size, return_lse: as
+            :func:`context_parallel_attention`; the method (and ``ulysses_size``) runs
+            the split documents; with ``plan``: the plan's.
         seq_lens: ``causal=False`` only, without ``plan``: int ``[B_r]`` true lengths of
             the *local* sequences (``batch.seq_lens[placement.seq_ids(r)]``).
 
@@ -146,7 +182,7 @@ def per_document_attention(
         plan = PerDocumentPlan.build(
             placement, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
             dtype=q.dtype, device=q.device, n_tokens=q.shape[0], group=group, causal=causal,
-            method=method, seq_lens=seq_lens)
+            method=method, seq_lens=seq_lens, ulysses_size=ulysses_size)
     elif not isinstance(plan, PerDocumentPlan):
         raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
                         f"{type(plan).__name__}")
@@ -156,7 +192,8 @@ def per_document_attention(
         if seq_lens is not None:
             raise ValueError("plan: seq_lens goes to PerDocumentPlan.build (pass seq_lens=None "
                              "with a plan)")
-        if group is not None and dist.get_world_size(group) > 1 and group is not plan.group:
+        if group is not None and dist.get_world_size(group) > 1 and plan.split is not None \
+                and group is not plan.group:
             raise ValueError("plan: built for another CP group (pass the plan's group or None)")
     placement, r = plan.placement, plan.cp_rank
     if cu_seqlens is not None:
@@ -170,12 +207,12 @@ def per_document_attention(
     if q.shape[0] != plan.n_tokens:
         raise ValueError(f"plan: built for T={plan.n_tokens} rows, got q {tuple(q.shape)}")
     ns = plan.split_rows
-    kw = dict(causal=causal, softmax_scale=softmax_scale, method=method, backend=backend,
-              return_lse=True)
+    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend, return_lse=True)
     parts = [] if plan.split is None else [context_parallel_attention(
-        q[:ns], k[:ns], v[:ns], None, None, group=plan.group, plan=plan.split, **kw)]
+        q[:ns], k[:ns], v[:ns], None, None, group=plan.group, plan=plan.split, method=method,
+        ulysses_size=ulysses_size, **kw)]
     parts.append(context_parallel_attention(q[ns:], k[ns:], v[ns:], None, None, plan=plan.whole,
-                                            **kw))
+                                            method="ring", **kw))
     out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
     if not return_lse:
         return out
