@@ -231,23 +231,27 @@ def launch_config(n_tokens: int, n_heads_q: int, n_heads_k: int, head_dim: int, 
     return (t_blocks * h_blocks,), heads_per_prog, meta
 
 
-@functools.lru_cache(maxsize=1024)
-def _default_launch_config(n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, elem_size,
-                           interleaved, conjugate, inplace):
-    return launch_config(n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, elem_size,
-                         interleaved=interleaved, conjugate=conjugate, inplace=inplace)
+@functools.lru_cache(maxsize=4096)
+def _default_launch(n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, elem_size, interleaved,
+                    conjugate, inplace, has_pos_ids, has_start):
+    """:func:`launch_config` plus the position flags, memoized: a training step reuses a few
+    shapes, so the launcher's host work is a dictionary lookup."""
+    grid, heads_per_prog, meta = launch_config(n_tokens, n_heads_q, n_heads_k, head_dim,
+                                               rotary_dim, elem_size, interleaved=interleaved,
+                                               conjugate=conjugate, inplace=inplace)
+    return grid, heads_per_prog, dict(meta, HAS_POS_IDS=has_pos_ids, HAS_START=has_start)
 
 
-def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: torch.Tensor,
-                  cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int,
-                  cp_rank: int, interleaved: bool, conjugate: bool, *,
-                  position_ids: torch.Tensor | None = None,
+def rotary_triton(q: torch.Tensor, k: torch.Tensor | None, out_q: torch.Tensor,
+                  out_k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                  cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, interleaved: bool,
+                  conjugate: bool, *, position_ids: torch.Tensor | None = None,
                   start_positions: torch.Tensor | None = None, start_offset: int = 0,
                   config: dict | None = None) -> None:
     """Launch the kernel: rotate q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k.
 
-    Any strides; ``out_q is q and out_k is k`` (the same objects) for in place. ``Hk``
-    may be 0.
+    Any strides; ``out_q is q and out_k is k`` (the same objects) for in place. ``k``
+    (and ``out_k``) may be None or have 0 heads.
     cos/sin ``[P, rotary_dim // 2]`` (any float dtype, any strides),
     cu_seqlens int32 ``[B + 1]``. Positions: ``position_ids`` (int32/int64
     ``[T]``) when given, else the CP formula plus ``start_positions[b]``
@@ -255,13 +259,13 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
     assumed checked by the caller. ``config``: :func:`launch_config` overrides
     (tuning scripts only).
     """
-    if q.device.type == "cpu" and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', or "
-                         "TRITON_INTERPRET=1 (set before cp_rope is imported) to interpret the kernel")
     n_tokens, n_heads_q, head_dim = q.shape
-    n_heads_k = k.shape[1]
+    n_heads_k = k.shape[1] if k is not None else 0
     if n_tokens == 0 or n_heads_q + n_heads_k == 0:
         return
+    if not q.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', or "
+                         "TRITON_INTERPRET=1 (set before cp_rope is imported) to interpret the kernel")
     rotary_dim = 2 * cos.shape[1]
     # identity, not data_ptr(): every empty tensor (say q with 0 heads) has pointer 0, and
     # treating out-of-place as in place would skip copying k's pass-through dims
@@ -270,19 +274,20 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
         grid, heads_per_prog, meta = launch_config(
             n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
             interleaved=interleaved, conjugate=conjugate, inplace=inplace, **config)
+        meta.update(HAS_POS_IDS=position_ids is not None, HAS_START=start_positions is not None)
     else:
-        grid, heads_per_prog, meta = _default_launch_config(
+        grid, heads_per_prog, meta = _default_launch(
             n_tokens, n_heads_q, n_heads_k, head_dim, rotary_dim, q.element_size(),
-            bool(interleaved), bool(conjugate), inplace)
+            interleaved, conjugate, inplace, position_ids is not None, start_positions is not None)
     if n_heads_k == 0:  # any valid pointer: no program reads it
         k, out_k = q, out_q
     cs_stride = cos.stride()
     if cs_stride[1] != 1 or sin.stride() != cs_stride:  # the kernel takes one stride for both
         cos, sin = cos.contiguous(), sin.contiguous()
         cs_stride = cos.stride()
-    if position_ids is not None and position_ids.stride(0) != 1:
+    if position_ids is not None:
         position_ids = position_ids.contiguous()
-    if start_positions is not None and start_positions.stride(0) != 1:
+    if start_positions is not None:
         start_positions = start_positions.contiguous()
     args = (q, k, out_q, out_k, cos, sin, cu_seqlens,
             cu_seqlens if position_ids is None else position_ids,  # any valid pointer when unread
@@ -290,9 +295,8 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, out_q: torch.Tensor, out_k: 
             n_tokens, cu_seqlens.shape[0] - 1, n_heads_q, n_heads_k, heads_per_prog, head_dim,
             cp_size, cp_rank, start_offset,
             *q.stride(), *k.stride(), *out_q.stride(), *out_k.stride(), cs_stride[0])
-    has = dict(HAS_POS_IDS=position_ids is not None, HAS_START=start_positions is not None)
     if q.is_cuda and q.get_device() != torch.cuda.current_device():
         with torch.cuda.device(q.device):
-            _rope_kernel[grid](*args, **meta, **has)
+            _rope_kernel[grid](*args, **meta)
     else:
-        _rope_kernel[grid](*args, **meta, **has)
+        _rope_kernel[grid](*args, **meta)

@@ -65,6 +65,7 @@ def resolve_backend(backend: str, device: torch.device) -> str:
 # --------------------------------------------------------------------------- implementation
 def _rotary_impl(q, k, out_q, out_k, cos, sin, cu_seqlens, position_ids, start_positions,
                  start_offset, cp_size, cp_rank, interleaved, conjugate, backend):
+    """Rotate q into out_q and k into out_k (k and out_k may be None)."""
     if backend == "triton":
         from cp_rope.kernel import rotary_triton  # Triton is only needed for this backend
 
@@ -73,7 +74,7 @@ def _rotary_impl(q, k, out_q, out_k, cos, sin, cu_seqlens, position_ids, start_p
                       start_offset=start_offset)
     else:
         for x, out in ((q, out_q), (k, out_k)):
-            if x.shape[1]:
+            if x is not None and x.shape[1]:
                 rotary_torch(x, cos, sin, cu_seqlens, cp_size, cp_rank, interleaved, conjugate,
                              out=out, position_ids=position_ids,
                              start_positions=start_positions, start_offset=start_offset)
@@ -89,31 +90,30 @@ def _traced_content_checks(q, cos, cu_seqlens, position_ids, start_positions, st
 
 
 def _rotary_out(q, k, *args):
-    out_q, out_k = torch.empty_like(q), torch.empty_like(k)
+    out_q = torch.empty_like(q)
+    out_k = torch.empty_like(k) if k is not None else None
     _rotary_impl(q, k, out_q, out_k, *args)
     return out_q, out_k
 
 
 class _Rotary(torch.autograd.Function):
-    """The eager path: forward and backward are one launcher call each."""
+    """The eager path: forward and backward are one launcher call each. ``params`` is
+    ``(start_offset, cp_size, cp_rank, interleaved, conjugate, backend)``, packed into one
+    argument (``apply`` costs time per argument); ``k`` may be None."""
 
     @staticmethod
-    def forward(ctx, q, k, cos, sin, cu_seqlens, position_ids, start_positions, start_offset,
-                cp_size, cp_rank, interleaved, conjugate, backend):
+    def forward(ctx, q, k, cos, sin, cu_seqlens, position_ids, start_positions, params):
         ctx.save_for_backward(cos, sin, cu_seqlens, position_ids, start_positions)  # inputs only
-        ctx.args = (start_offset, cp_size, cp_rank, interleaved, conjugate, backend)
-        return _rotary_out(q, k, cos, sin, cu_seqlens, position_ids, start_positions,
-                           start_offset, cp_size, cp_rank, interleaved, conjugate, backend)
+        ctx.params = params
+        return _rotary_out(q, k, cos, sin, cu_seqlens, position_ids, start_positions, *params)
 
     @staticmethod
     def backward(ctx, grad_q, grad_k):
-        cos, sin, cu_seqlens, position_ids, start_positions = ctx.saved_tensors
-        start_offset, cp_size, cp_rank, interleaved, conjugate, backend = ctx.args
+        start_offset, cp_size, cp_rank, interleaved, conjugate, backend = ctx.params
         # through apply again, so that double backward (create_graph=True) works
-        dq, dk = _Rotary.apply(grad_q, grad_k, cos, sin, cu_seqlens, position_ids,
-                               start_positions, start_offset, cp_size, cp_rank, interleaved,
-                               not conjugate, backend)
-        return dq, dk, *(None,) * 11
+        dq, dk = _Rotary.apply(grad_q, grad_k, *ctx.saved_tensors,
+                               (start_offset, cp_size, cp_rank, interleaved, not conjugate, backend))
+        return dq, dk, None, None, None, None, None, None
 
 
 @torch.library.custom_op("cp_rope::rotary", mutates_args=())
@@ -312,14 +312,14 @@ def _apply(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved
     cp_size, cp_rank, start_offset, start_positions = _check_args(
         q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved, position_ids,
         start_positions, max_position_id)
-    check_bool("inplace", inplace)
-    check_bool("conjugate", conjugate)
+    if inplace is not False:
+        check_bool("inplace", inplace)
+    if conjugate is not False:
+        check_bool("conjugate", conjugate)
     impl = resolve_backend(backend, q.device)
-    k_ = k if k is not None else q.new_empty((q.shape[0], 0, q.shape[2]))
-    args = (cos, sin, cu_seqlens, position_ids, start_positions, start_offset, cp_size, cp_rank,
-            bool(interleaved), bool(conjugate), impl)
-    grad = torch.is_grad_enabled() and (q.requires_grad or k_.requires_grad)
-    eager = (type(q) is torch.Tensor and type(k_) is torch.Tensor
+    params = (start_offset, cp_size, cp_rank, bool(interleaved), bool(conjugate), impl)
+    grad = torch.is_grad_enabled() and (q.requires_grad or (k is not None and k.requires_grad))
+    eager = (type(q) is torch.Tensor and (k is None or type(k) is torch.Tensor)
              and not torch.compiler.is_compiling())
     if inplace:
         if k is q:
@@ -329,16 +329,17 @@ def _apply(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interleaved
             raise ValueError("inplace=True is not differentiable: call with inplace=False when "
                              "q/k require grad (or under torch.no_grad())")
         if eager:
-            _rotary_impl(q, k_, q, k_, *args)
+            _rotary_impl(q, k, q, k, cos, sin, cu_seqlens, position_ids, start_positions, *params)
         else:
-            _rotary_(q, k_, *args)
+            k_ = k if k is not None else q.new_empty((q.shape[0], 0, q.shape[2]))
+            _rotary_(q, k_, cos, sin, cu_seqlens, position_ids, start_positions, *params)
         return q, k
-    if not eager:
-        out_q, out_k = _rotary(q, k_, *args)
-    elif grad:
-        out_q, out_k = _Rotary.apply(q, k_, *args)
-    else:
-        out_q, out_k = _rotary_out(q, k_, *args)
+    if eager:
+        if grad:
+            return _Rotary.apply(q, k, cos, sin, cu_seqlens, position_ids, start_positions, params)
+        return _rotary_out(q, k, cos, sin, cu_seqlens, position_ids, start_positions, *params)
+    k_ = k if k is not None else q.new_empty((q.shape[0], 0, q.shape[2]))
+    out_q, out_k = _rotary(q, k_, cos, sin, cu_seqlens, position_ids, start_positions, *params)
     return out_q, (out_k if k is not None else None)
 
 
