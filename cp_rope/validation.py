@@ -48,9 +48,10 @@ def check_int(name: str, value, *, min_value: int | None = None) -> int:
         TypeError: ``value`` is not a Python or numpy integer, or is a bool.
         ValueError: ``value < min_value``.
     """
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    value = int(value)
+    if type(value) is not int:  # fast path: a plain int skips the slow Integral ABC check
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+        value = int(value)
     if min_value is not None and value < min_value:
         raise ValueError(f"{name} must be >= {min_value}, got {value}")
     return value
@@ -113,7 +114,7 @@ def check_cu_seqlens(cu_seqlens, *, name: str = "cu_seqlens",
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 1:
         raise ValueError(f"{name} must be 1-D [B + 1] with at least one entry, got shape "
                          f"{tuple(cu_seqlens.shape)}")
-    if device is not None and cu_seqlens.device != torch.device(device):
+    if device is not None and cu_seqlens.device != device and cu_seqlens.device != torch.device(device):
         raise ValueError(f"{name} is on {cu_seqlens.device}, the input on {torch.device(device)}")
 
 
