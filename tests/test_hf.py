@@ -199,9 +199,10 @@ def test_bad_input():
 
 def test_transformers_missing_or_too_old(monkeypatch):
     with pytest.raises(ImportError, match="transformers>=5.0.*found 4.57.1"):
-        H._check_transformers_version("4.57.1")
-    H._check_transformers_version("5.0.0.dev0")
-    monkeypatch.delitem(sys.modules, "cp_rope.hf")
+        H._compat._check_transformers_version("4.57.1")
+    H._compat._check_transformers_version("5.0.0.dev0")
+    for name in [m for m in sys.modules if m == "cp_rope.hf" or m.startswith("cp_rope.hf.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.46.0")
     with pytest.raises(ImportError, match="cp-rope\\[hf\\]"):
         importlib.import_module("cp_rope.hf")

@@ -1,49 +1,9 @@
-"""Packed context parallelism for Hugging Face transformers models (extra ``hf``).
-
-Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, and
-Phi3 with its partial rotary; GQA included) into a packed, context-parallel one::
-
-    from cp_rope.hf import model_inputs, patch_model
-    from cp_rope.parallel import PackingCollator, cp_cross_entropy
-
-    model = patch_model(model, group=cp_group, method="ring")       # once
-    batch = PackingCollator(cp_size=C, cp_rank=r)(examples)          # this rank's zigzag shard
-    logits = model(**model_inputs(batch)).logits[0]                  # [T_local, V]
-    loss = cp_cross_entropy(logits, batch.labels, group)             # never labels=...
-    loss.backward()                                                  # then SUM gradients over group
-
-* The attention implementation ``"cp_rope"`` (registered in transformers'
-  ``AttentionInterface`` when this module is imported) runs
-  :func:`cp_rope.parallel.context_parallel_attention` on the packed rows of
-  the ``[1, T]`` batch: causal inside every document, exact across the CP
-  ranks, with the group, method and backend of the model's patch.
-* ``rope_kernel=True`` swaps the family's ``apply_rotary_pos_emb`` for a
-  dispatcher that runs cp_rope's THD kernel (q and k in one launch, the CP
-  position formula in-kernel, float64-exact cos/sin tables from
-  :func:`cp_rope.rope_cache` and the config's rope dict). It acts only on the
-  calls of patched models (their rotary embedding hands it a
-  :class:`PackedRope`); every other model of the family runs the original.
-  Its result equals the model's own RoPE at the zigzag global positions (the
-  patch checks the model's ``inv_freq`` and ``attention_scaling`` against
-  cp_rope's tables and refuses what it cannot reproduce, e.g. ``dynamic``).
-  With ``rope_kernel=False`` the model's own rotary embedding runs on the
-  global ``position_ids``, which is right too.
-* Labels: a :class:`~cp_rope.parallel.PackedBatch`'s labels are already the
-  next token inside each document (shifted on the global batch, before
-  sharding). transformers' loss would shift them again, and average per rank
-  only: a patched model refuses ``labels=``; compute the loss with
-  :func:`cp_rope.parallel.cp_cross_entropy` on the logits.
-
-transformers is imported here only (the one compat door): ``import
-cp_rope.hf`` raises ImportError naming the fix when it is missing or older
-than :data:`MIN_TRANSFORMERS`.
-"""
+"""patch_model / unpatch_model, the attention implementation ``"cp_rope"``, the RoPE
+dispatcher and model_inputs (see :mod:`cp_rope.hf`)."""
 
 from __future__ import annotations
 
 import math
-import os
-import re
 import typing
 from dataclasses import dataclass, field
 
@@ -59,56 +19,12 @@ from cp_rope.parallel import attention as _attention
 from cp_rope.positions import global_positions
 from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
-# --------------------------------------------------------------------------- compat door
-MIN_TRANSFORMERS = "5.0"
+from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
 
+__all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
+           "CPRopePatch", "ATTN_IMPLEMENTATION"]
 
-def _check_transformers_version(version: str) -> None:
-    """ImportError unless ``version`` (e.g. ``"5.24.0"``, ``"5.1.0.dev0"``) >= :data:`MIN_TRANSFORMERS`."""
-    match = re.match(r"(\d+)\.(\d+)", version)
-    found = tuple(int(x) for x in match.groups()) if match else (0, 0)
-    if found < tuple(int(x) for x in MIN_TRANSFORMERS.split(".")):
-        raise ImportError(
-            f"cp_rope.hf needs transformers>={MIN_TRANSFORMERS} (rope dicts in "
-            f"config.rope_parameters, AttentionInterface); found {version}: "
-            f"pip install -U 'transformers>={MIN_TRANSFORMERS}' (or pip install 'cp-rope[hf]')")
-
-
-try:
-    import transformers
-except ImportError as exc:  # pragma: no cover - exercised by a test that hides the package
-    raise ImportError(
-        "cp_rope.hf needs transformers, which is not installed: pip install 'cp-rope[hf]' "
-        f"(transformers>={MIN_TRANSFORMERS})") from exc
-_check_transformers_version(transformers.__version__)
-
-from transformers import (  # noqa: E402
-    AttentionInterface,
-    AutoConfig,
-    AutoModelForCausalLM,
-    PreTrainedModel,
-)
-from transformers.models.llama import modeling_llama  # noqa: E402
-from transformers.models.mistral import modeling_mistral  # noqa: E402
-from transformers.models.phi3 import modeling_phi3  # noqa: E402
-from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
-from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
-
-# model_type -> (modeling module, attention class name, rotary embedding class name)
-_FAMILIES = {
-    "llama": (modeling_llama, "LlamaAttention", "LlamaRotaryEmbedding"),
-    "mistral": (modeling_mistral, "MistralAttention", "MistralRotaryEmbedding"),
-    "phi3": (modeling_phi3, "Phi3Attention", "Phi3RotaryEmbedding"),  # partial rotary
-    "qwen2": (modeling_qwen2, "Qwen2Attention", "Qwen2RotaryEmbedding"),
-    "qwen3": (modeling_qwen3, "Qwen3Attention", "Qwen3RotaryEmbedding"),
-}
-SUPPORTED_FAMILIES = tuple(_FAMILIES)
 ATTN_IMPLEMENTATION = "cp_rope"
-
-__all__ = ["patch_model", "unpatch_model", "model_inputs", "load_causal_lm", "PackedRope",
-           "CPRopePatch",
-           "SUPPORTED_FAMILIES", "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS"]
-
 _USE_LOSS = ("compute the loss as cp_rope.parallel.cp_cross_entropy(model(**model_inputs(batch))"
              ".logits[0], batch.labels, group)")
 
@@ -243,11 +159,11 @@ def _family(model) -> tuple:
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"model must be a transformers PreTrainedModel, got {type(model).__name__}")
     model_type = getattr(model.config, "model_type", None)
-    if model_type not in _FAMILIES:
+    if model_type not in FAMILIES:
         raise ValueError(f"model: model_type {model_type!r} is not supported by cp_rope.hf "
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)}); its attention and RoPE "
                          "code would need checking before CP can run it")
-    return _FAMILIES[model_type]
+    return FAMILIES[model_type]
 
 
 def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
@@ -447,42 +363,3 @@ def model_inputs(batch: PackedBatch) -> dict:
         "max_length_q": int(batch.max_seqlen),
         "max_length_k": int(batch.max_seqlen),
     }
-
-
-# --------------------------------------------------------------------------- loading
-_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                 "pytorch_model.bin.index.json")
-
-
-def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32,
-                   seed: int = 0) -> tuple[PreTrainedModel, bool]:
-    """A causal LM of a supported family from a local directory; never downloads.
-
-    Args:
-        path: a directory with ``config.json`` and, optionally, weights
-            (``model.safetensors`` or ``pytorch_model.bin``, sharded or not).
-        dtype: the parameters' dtype (float32 master weights for training).
-        seed: seeds ``torch`` before a random init (a config without weights).
-
-    Returns: ``(model on the CPU, True if weights were loaded / False if initialised
-    from the config)``; attention implementation ``"sdpa"`` until :func:`patch_model`.
-
-    Raises: ValueError naming ``model`` for a path that is not a local directory
-    with ``config.json``, or a model family :func:`patch_model` does not support.
-    """
-    if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
-        raise ValueError(f"model={path!r}: not a local directory with config.json (cp_rope "
-                         "never downloads: fetch the checkpoint first, e.g. `hf download "
-                         "ORG/NAME --local-dir DIR`, or write a config with "
-                         "AutoConfig.save_pretrained(DIR) for a random init)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    if config.model_type not in _FAMILIES:
-        raise ValueError(f"model={path!r}: model_type {config.model_type!r} is not supported by "
-                         f"cp_rope.hf (supported: {', '.join(SUPPORTED_FAMILIES)})")
-    if any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES):
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                                     attn_implementation="sdpa")
-        return model, True
-    torch.manual_seed(seed)
-    config._attn_implementation = "sdpa"
-    return AutoModelForCausalLM.from_config(config, dtype=dtype), False
