@@ -203,6 +203,12 @@ class DocumentPlacement:
         """Longest local sequence of ``cp_rank`` (split shares and whole documents)."""
         return max(self.split_max_seqlen, self.whole_max_seqlen(cp_rank))
 
+    def max_position_id(self, cp_rank: int) -> int:
+        """A bound on ``cp_rank``'s ``position_ids``: the longest *global* length among its
+        local sequences, minus 1 (0 without one); RoPE's ``max_position_id``."""
+        lens = self.lengths[self.seq_ids(cp_rank)]
+        return max(int(lens.max()) - 1, 0) if lens.size else 0
+
     def n_valid(self, cp_rank: int) -> int:
         """Rows of ``cp_rank`` that belong to a sequence (``local cu_seqlens[-1]``)."""
         return self.split_rows + int(self.lengths[self.owner == self._rank(cp_rank)].sum())

@@ -82,6 +82,9 @@ def _check_layout(lengths, cp, threshold, pad_to_multiple=1):
         assert np.array_equal(local_lens[ns:], lens[ids[ns:]])
         assert int(lcu[ns]) == p.split_rows
         assert p.max_seqlen(r) == (int(local_lens.max()) if local_lens.size else 0)
+        bound = p.max_position_id(r)
+        assert bound >= (int(pos.max()) if pos.numel() else 0)
+        assert bound == max([int(lens[b]) - 1 for b in ids] + [0])
         # rows = global start of the sequence + position; positions: zigzag for split
         # shares (the one formula), 0..L-1 for whole documents
         seq = np.repeat(ids, local_lens)
