@@ -270,8 +270,13 @@ class Trainer:
         return os.path.join(self.cfg.train.out_dir, "checkpoints")
 
 
-def set_up(cfg: PretrainConfig) -> Trainer:
+def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
     """Everything before the first step, inside an initialised process group.
+
+    ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
+    :mod:`cp_rope.launch.finetune_hf`'s transformers model): a module with
+    ``forward(input_ids, cu_seqlens, max_seqlen) -> logits``, ``layers``,
+    ``tok_embeddings`` and ``configure_attention`` (what :func:`parallelize` uses).
 
     Validates ``cfg`` against the world size, checks the out-dir, builds the
     ``("dp", "cp")`` mesh, the data (corpus, dataset, this rank's loader), the
@@ -302,7 +307,7 @@ def set_up(cfg: PretrainConfig) -> Trainer:
                                    pin_memory=device.type == "cuda")
     batches = _Batches(loader, sampler)
 
-    model = build_model(cfg, device)
+    model = (build or build_model)(cfg, device)
     n_params = count_params(model)
     n_params_no_emb = count_params(model, exclude_embedding=True)
     parallelize(model, mesh, cfg)

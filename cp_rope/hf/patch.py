@@ -40,6 +40,7 @@ class CPRopePatch:
     method: str
     backend: str
     rope_kernel: bool
+    ulysses_size: int | None = None
     scaling: dict | None = None  # the config's rope dict (rope_kernel)
     rotary_dim: int = 0
     _tables: dict = field(default_factory=dict)  # device -> (cos, sin), float32
@@ -147,7 +148,7 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     out = context_parallel_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
         max_len, group=patch.group, causal=True, softmax_scale=scaling, method=patch.method,
-        backend=patch.backend)
+        backend=patch.backend, ulysses_size=patch.ulysses_size)
     return out.unsqueeze(0), None
 
 
@@ -191,8 +192,8 @@ def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
 
 
 def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
-                method: str = "ring", backend: str = "auto",
-                rope_kernel: bool = True) -> PreTrainedModel:
+                method: str = "ring", backend: str = "auto", rope_kernel: bool = True,
+                ulysses_size: int | None = None) -> PreTrainedModel:
     """Make ``model`` run packed rows with context parallelism over ``group`` (in place).
 
     Sets the attention implementation to ``"cp_rope"``, and with
@@ -208,7 +209,10 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         model: a transformers ``PreTrainedModel`` of a supported family
             (:data:`SUPPORTED_FAMILIES`), e.g. ``LlamaForCausalLM``.
         group: the CP process group; ``None``: no CP (one rank).
-        method, backend: passed to :func:`cp_rope.parallel.context_parallel_attention`.
+        method, backend, ulysses_size: passed to
+            :func:`cp_rope.parallel.context_parallel_attention` (``ulysses_size``
+            for ``method="hybrid"``; Ulysses needs the head counts divisible by
+            the all-to-all size, checked there).
         rope_kernel: use cp_rope's RoPE kernel instead of the model's rotation.
 
     Returns: ``model`` itself (``model.cp_rope_patch`` holds the settings).
@@ -235,7 +239,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     else:
         cp_size, cp_rank = 1, 0
     patch = CPRopePatch(group=group, cp_size=cp_size, cp_rank=cp_rank, method=method,
-                        backend=backend, rope_kernel=rope_kernel,
+                        backend=backend, rope_kernel=rope_kernel, ulysses_size=ulysses_size,
                         _attn_before=model.config._attn_implementation)
     attn_cls, rotary_cls = getattr(module, attn_name), getattr(module, rotary_name)
     rotaries = [m for m in model.modules() if isinstance(m, rotary_cls)]

@@ -1,0 +1,285 @@
+"""Fine-tuning (or continued pretraining) of a local transformers causal LM with packed CP.
+
+One node, CPU (gloo), 2 processes, a checkpoint or config directory on disk::
+
+    torchrun --standalone --nproc-per-node 2 -m cp_rope.launch.finetune_hf \\
+        --model DIR --data corpus.jsonl --cp-size 2
+
+One node, 8 GPUs: a downloaded Llama-3.2-1B, 64K-token documents split over 4 ranks, 2 DP groups::
+
+    torchrun --standalone --nproc-per-node 8 -m cp_rope.launch.finetune_hf \\
+        --model /ckpt/Llama-3.2-1B --data long.jsonl --cp-size 4 \\
+        --seq-len 65536 --tokens-per-batch 65536 --lr 2e-5 --steps 1000
+
+Two nodes x 8 GPUs (run on every node; the rendezvous endpoint is node 0)::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d \\
+        --rdzv-endpoint $MASTER_ADDR:29500 --rdzv-id ft42 \\
+        -m cp_rope.launch.finetune_hf --model /shared/Qwen3-8B --data long.jsonl \\
+        --cp-size 8 --seq-len 131072 --tokens-per-batch 131072 --out-dir /shared/runs/ft
+
+The model is transformers' own (Llama, Mistral, Qwen2, Qwen3, Phi3), loaded
+from ``--model`` only (``config.json`` plus weights, or a config alone for a
+random init from ``--seed``; never a download), patched by
+:func:`cp_rope.hf.patch_model` (CP attention over the mesh's ``"cp"`` group,
+cp_rope's RoPE kernel unless ``--no-rope-kernel``). Everything else is
+:mod:`cp_rope.launch.pretrain`'s trainer: the ``("dp", "cp")`` DeviceMesh,
+documents packed by the token-budget sampler, :func:`~cp_rope.launch.parallelize.parallelize`
+(FSDP2 over all ranks on GPU, bf16 compute on fp32 master weights; gradient
+all-reduce on CPU), the loss :func:`cp_rope.parallel.cp_cross_entropy` (never
+transformers' shifted loss), DCP checkpoints and ``--resume``, the same
+logging (``metrics.jsonl``, TensorBoard, tqdm), SIGTERM handling. After the
+last step the weights are written with ``save_pretrained`` to
+``<out-dir>/hf_model`` together with ``--model``'s tokenizer files.
+
+Data: tokenized with ``DIR/tokenizer.json`` when there is one (or
+``--tokenizer``), else byte-level ids (then the model's ``vocab_size`` must be
+at least 259). ``python -m cp_rope.launch.finetune_hf --help`` lists every flag.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import sys
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+import tyro
+from torch import nn
+
+from cp_rope.hf import load_causal_lm, local_config, patch_model
+from cp_rope.positions import global_positions
+
+from .cli import _plain
+from .config import (
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    OptimConfig,
+    ParallelConfig,
+    PretrainConfig,
+    TrainConfig,
+    to_dict,
+    validate,
+)
+from .data import load_tokenizer
+from .pretrain import _setup_distributed, set_up, summarize, train_loop
+
+__all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
+
+PROG = "torchrun --nproc-per-node N -m cp_rope.launch.finetune_hf"
+HF_MODEL_DIR = "hf_model"
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
+
+
+@dataclass(kw_only=True, slots=True)
+class HFConfig:
+    """The transformers model."""
+
+    model: str = ""
+    """Local directory with config.json and optionally weights (model.safetensors / pytorch_model.bin); a config alone gives a random init from --seed. Never downloaded. Required."""
+    rope_kernel: bool = True
+    """RoPE by cp_rope's THD kernel (CP positions in-kernel); --no-rope-kernel keeps the model's own rotary embedding (on the global position_ids)."""
+    activation_checkpointing: bool = False
+    """transformers' gradient checkpointing of every decoder layer (less memory, ~30% more compute)."""
+
+
+@dataclass(kw_only=True, slots=True)
+class FinetuneConfig:
+    """Everything :func:`main` reads: the model directory and the trainer's sections."""
+
+    hf: HFConfig = field(default_factory=HFConfig)
+    """The transformers model."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Corpus, tokenizer and batching."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """Context parallelism; data-parallel size = world size / cp_size."""
+    optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=2e-5, warmup_steps=10,
+                                                                   weight_decay=0.0))
+    """AdamW with linear warmup then cosine decay (fine-tuning defaults)."""
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(steps=100,
+                                                                   out_dir="runs/finetune_hf"))
+    """Loop, precision, logging, checkpoints."""
+
+
+def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
+    """Command line -> :class:`FinetuneConfig` (tyro; kebab-case flags without section prefixes).
+
+    Raises: SystemExit on ``--help`` (0) or a malformed flag (2, tyro's message).
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    return tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=_plain(__doc__).strip(),
+                    config=(tyro.conf.OmitArgPrefixes,),
+                    console_outputs=os.environ.get("RANK", "0") == "0")
+
+
+class HFCausalLM(nn.Module):
+    """The trainer's model interface over a transformers causal LM.
+
+    ``forward(input_ids [T], cu_seqlens [B + 1] int32, max_seqlen) -> logits [T, V]``
+    for this rank's zigzag shard (the positions are
+    :func:`cp_rope.global_positions` of ``cu_seqlens``, which reads
+    ``cu_seqlens[-1]`` on the host once per step). :meth:`configure_attention`
+    (what :func:`~cp_rope.launch.parallelize.apply_cp` calls) is
+    :func:`cp_rope.hf.patch_model`; :attr:`layers` are the decoder layers that
+    :func:`~cp_rope.launch.parallelize.apply_fsdp` shards one by one.
+    """
+
+    def __init__(self, lm: nn.Module, *, rope_kernel: bool = True):
+        super().__init__()
+        self.lm, self.rope_kernel = lm, rope_kernel
+        self.cp_size, self.cp_rank = 1, 0
+
+    @property
+    def layers(self) -> nn.ModuleList:
+        return self.lm.base_model.layers
+
+    @property
+    def tok_embeddings(self) -> nn.Module:  # what launch.model.count_params excludes
+        return self.lm.get_input_embeddings()
+
+    def configure_attention(self, *, cp_group, cp_method: str, attn_backend: str,
+                            rope_backend: str, ulysses_size: int | None = None) -> None:
+        if rope_backend != "auto":
+            raise ConfigError(f"parallel.rope_backend={rope_backend!r}: finetune_hf uses auto "
+                              "(set CP_ROPE_BACKEND=torch|triton to force one)")
+        patch_model(self.lm, group=cp_group, method=cp_method, backend=attn_backend,
+                    rope_kernel=self.rope_kernel, ulysses_size=ulysses_size)
+        self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
+                max_seqlen: int) -> torch.Tensor:
+        pos = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
+        out = self.lm(input_ids=input_ids[None], position_ids=pos[None], cu_seq_lens_q=cu_seqlens,
+                      cu_seq_lens_k=cu_seqlens, max_length_q=int(max_seqlen),
+                      max_length_k=int(max_seqlen))
+        return out.logits[0]
+
+
+def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
+    """The trainer's :class:`ModelConfig` describing the transformers model (shapes for the
+    MFU arithmetic, config.json and the ``--resume`` check)."""
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    heads = hf_config.num_attention_heads
+    return ModelConfig(dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
+                       n_heads=heads, n_kv_heads=getattr(hf_config, "num_key_value_heads", heads),
+                       ffn_hidden_dim=hf_config.intermediate_size,
+                       vocab_size=hf_config.vocab_size,
+                       norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
+                       rope_base=float(rope.get("rope_theta", 10000.0)), max_seq_len=0,
+                       activation_checkpointing=hf.activation_checkpointing)
+
+
+def resolve(fc: FinetuneConfig) -> PretrainConfig:
+    """The trainer's config for ``fc``: the model section from ``--model``'s config.json,
+    its tokenizer.json as the default tokenizer.
+
+    Raises: ConfigError naming the field (no ``--model``, not a local directory with a
+    supported config, a tokenizer with more ids than the model's vocabulary).
+    """
+    if not fc.hf.model:
+        raise ConfigError("hf.model='': required: --model DIR (a local checkpoint or config "
+                          "directory)")
+    try:
+        hf_config = local_config(fc.hf.model)
+    except ValueError as exc:
+        raise ConfigError(f"hf.{exc}") from None
+    data = dataclasses.replace(fc.data)
+    own = os.path.join(fc.hf.model, "tokenizer.json")
+    if data.tokenizer is None and os.path.isfile(own):
+        data.tokenizer = own
+    cfg = PretrainConfig(model=_model_section(hf_config, fc.hf), data=data,
+                         parallel=fc.parallel, optim=fc.optim, train=fc.train)
+    if fc.parallel.cp_placement != "zigzag":
+        raise ConfigError(f"parallel.cp_placement={fc.parallel.cp_placement!r}: cp_rope.hf runs "
+                          "the zigzag layout only")
+    n_ids = load_tokenizer(data).vocab_size
+    if n_ids > hf_config.vocab_size:
+        raise ConfigError(f"data.tokenizer={data.tokenizer!r}: {n_ids} ids (byte-level when "
+                          f"None) but the model's vocab_size is {hf_config.vocab_size}: pass the "
+                          "model's tokenizer with --tokenizer")
+    return cfg
+
+
+def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
+    """``--model`` loaded (or initialised from ``--seed``) in float32 on ``device``, wrapped."""
+    lm, _ = load_causal_lm(fc.hf.model, dtype=torch.float32, seed=fc.train.seed)
+    if fc.hf.activation_checkpointing:
+        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel)
+
+
+def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:
+    """Collective: the trained weights gathered (FSDP2 shards included) and written by rank 0
+    with ``save_pretrained`` to ``<out-dir>/hf_model``, with ``--model``'s tokenizer files.
+
+    Returns: the directory.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    path = os.path.join(fc.train.out_dir, HF_MODEL_DIR)
+    state = get_model_state_dict(model.lm, options=StateDictOptions(full_state_dict=True,
+                                                                    cpu_offload=True))
+    if dist.get_rank() == 0:
+        model.lm.save_pretrained(path, state_dict=state)
+        for name in _TOKENIZER_FILES:
+            src = os.path.join(fc.hf.model, name)
+            if os.path.isfile(src) and not os.path.exists(os.path.join(path, name)):
+                shutil.copy2(src, path)
+    dist.barrier()
+    return path
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Entry point: parse, validate, set up the process group, train, ``save_pretrained``.
+
+    Works under torchrun, as a plain one-process ``python -m``, and inside an
+    already initialised process group (tests), which it then leaves initialised.
+
+    Returns: :func:`cp_rope.launch.pretrain.summarize`'s dict plus ``"hf_model"``
+    (the saved directory, or None when the run stopped early).
+    """
+    fc = parse_args(argv)
+    cfg = resolve(fc)
+    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    created, _ = _setup_distributed(cfg)
+    try:
+        tr = set_up(cfg, build=lambda _cfg, device: build_model(fc, device))
+        if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
+            path = os.path.join(cfg.train.out_dir, "config.json")
+            with open(path, "w") as f:
+                json.dump(to_dict(cfg) | {"hf": dataclasses.asdict(fc.hf)}, f, indent=2)
+        try:
+            train_loop(tr)
+        except BaseException:
+            tr.log.close()
+            raise
+        summary = summarize(tr)
+        finished = not tr.interrupted and tr.step >= cfg.train.steps
+        summary["hf_model"] = save_hf_model(tr.model, fc) if finished else None
+        return summary
+    finally:
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _cli() -> None:
+    try:
+        summary = main()
+    except ConfigError as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if summary["interrupted"]:
+        raise SystemExit(130)
+    if summary.get("hf_model") and os.environ.get("RANK", "0") == "0":
+        print(json.dumps({"hf_model": summary["hf_model"]}))
+
+
+if __name__ == "__main__":
+    _cli()
