@@ -206,14 +206,36 @@ def per_document_attention(
                          f"({placement.max_seqlen(r)})")
     if q.shape[0] != plan.n_tokens:
         raise ValueError(f"plan: built for T={plan.n_tokens} rows, got q {tuple(q.shape)}")
-    ns = plan.split_rows
+    ns, n_whole = plan.split_rows, plan.n_tokens - plan.split_rows
     kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend, return_lse=True)
-    parts = [] if plan.split is None else [context_parallel_attention(
-        q[:ns], k[:ns], v[:ns], None, None, group=plan.group, plan=plan.split, method=method,
-        ulysses_size=ulysses_size, **kw)]
-    parts.append(context_parallel_attention(q[ns:], k[ns:], v[ns:], None, None, plan=plan.whole,
-                                            method="ring", **kw))
+    if plan.split is not None and n_whole:  # both parts: views whose grads are concatenated
+        (qs, qw), (ks, kw_), (vs, vw) = (_SplitRows.apply(t, ns) for t in (q, k, v))
+    else:
+        qs = qw = q
+        ks = kw_ = k
+        vs = vw = v
+    parts = []
+    if plan.split is not None:
+        parts.append(context_parallel_attention(qs, ks, vs, None, None, group=plan.group,
+                                                plan=plan.split, method=method,
+                                                ulysses_size=ulysses_size, **kw))
+    if n_whole or plan.split is None:
+        parts.append(context_parallel_attention(qw, kw_, vw, None, None, plan=plan.whole,
+                                                method="ring", **kw))
     out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
     if not return_lse:
         return out
     return out, torch.cat([lse for _, lse in parts], 1) if len(parts) > 1 else parts[0][1]
+
+
+class _SplitRows(torch.autograd.Function):
+    """``x -> (x[:n], x[n:])`` (views) whose backward concatenates the two gradients: one
+    copy, where slicing would give each part a zero-filled full-size gradient to sum."""
+
+    @staticmethod
+    def forward(ctx, x, n):
+        return x[:n], x[n:]
+
+    @staticmethod
+    def backward(ctx, g1, g2):
+        return torch.cat([g1, g2]), None
