@@ -4,9 +4,10 @@ With the zigzag layout (:mod:`cp_rope.parallel.sharding`) every document,
 however short, is cut into ``2 * cp_size`` chunks over all ranks, and its
 attention needs the ring / all-gather. :func:`place_documents` instead keeps
 every document of at most ``split_threshold`` tokens **whole** on one rank
-(attended locally, no communication) and zigzag-splits only the longer ones
-(the layout of Megatron-core's hybrid / dynamic CP and WLB-LLM's per-document
-sharding, here with an exact, stated balance bound).
+(attended locally, no communication) and zigzag-splits only the longer ones.
+Balancing attention work across documents is what Megatron-core's hybrid /
+dynamic CP, WLB-LLM and ByteScale do; this is a simple, exact form of it with a
+stated balance bound.
 
 Layout of rank ``r``'s shard (:meth:`DocumentPlacement.indices`):
 
@@ -17,7 +18,8 @@ Layout of rank ``r``'s shard (:meth:`DocumentPlacement.indices`):
 2. the *whole* documents placed on ``r``, in global order, positions
    ``0 .. L - 1``;
 3. trailing padding rows up to :attr:`DocumentPlacement.n_rows`, the same on
-   every rank (static shapes for CUDA graphs and ``torch.compile``): they
+   every rank (a multiple of ``pad_to_multiple``, so that batches take few
+   distinct shapes, for CUDA graphs and ``torch.compile``): they
    belong to no sequence (``local cu_seqlens[-1] <= n_rows``), which every part
    (RoPE, attention, loss) already handles.
 
@@ -42,7 +44,8 @@ the split ones) and ``w_max`` the largest whole document's work:
 (Graham's list-scheduling argument: when the last document ``d`` of the
 busiest rank was placed, that rank had the least work, at most the mean of the
 work placed before ``d``.) LPT is also within ``4/3 - 1/(3 cp_size)`` of the
-best possible assignment of the whole documents (Graham 1969, Theorem 1).
+best possible assignment of the whole documents (Graham 1969, "Bounds on
+multiprocessing timing anomalies").
 Token counts are balanced second (the tie-break): when all whole documents
 have the same length, ranks' token counts differ by at most one document. A
 rank may get no document at all (fewer whole documents than ranks and no
