@@ -44,6 +44,7 @@ import json
 import os
 import shutil
 import sys
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -73,6 +74,10 @@ __all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
 
 PROG = "torchrun --nproc-per-node N -m cp_rope.launch.finetune_hf"
 HF_MODEL_DIR = "hf_model"
+# FSDP2 warns that HFCausalLM (the FSDP root) returns a view ([1, T, V] -> [T, V]); the
+# trainer's loss reads it out of place (no copy of the largest activation to silence that).
+warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(FSDPHFCausalLM\) returned "
+                        "a view tensor", category=UserWarning)
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "tokenizer.model", "vocab.json", "merges.txt", "generation_config.json")
 

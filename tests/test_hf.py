@@ -2,8 +2,9 @@
 
 Tiny random models built from configs (no downloads) of every supported
 family, with GQA and a different rope type each (llama3, default + sliding
-window, linear, yarn with its attention factor, partial rotary for Phi3). The reference is the
-unpatched model (eager attention, float64 weights) run on each document
+window, linear, yarn with its attention factor, partial rotary for Phi3);
+methods ring, allgather, ulysses (cp 2) and hybrid (cp 4, Ulysses pairs). The
+reference is the unpatched model (eager attention, float64 weights) run on each document
 alone; the patched model runs float32 on the packed batch (zigzag shards at
 cp > 1), its logits are gathered and its CP loss's gradients summed over the
 group. float32 tolerances (tests/utils.py TOL): transformers computes RMSNorm,
@@ -87,11 +88,12 @@ def _real_rows(global_logits, global_cu, docs):
     return torch.cat([global_logits[cu[i]:cu[i] + len(d)] for i, d in enumerate(docs)])
 
 
-def _check_case(family, group, method, rope_kernel, cp_size, cp_rank):
+def _check_case(family, group, method, rope_kernel, cp_size, cp_rank, ulysses_size=None):
     docs = _docs()
     ref, model = _models(family)
     want_logits, want_grads = _reference(ref, docs)
-    H.patch_model(model, group=group, method=method, rope_kernel=rope_kernel)
+    H.patch_model(model, group=group, method=method, rope_kernel=rope_kernel,
+                  ulysses_size=ulysses_size)
     examples = [{"input_ids": d} for d in docs]
     batch = PackingCollator(cp_size=cp_size, cp_rank=cp_rank)(examples)
     logits = model(**H.model_inputs(batch)).logits[0]
@@ -217,14 +219,15 @@ def _cp_body(rank: int, world: int) -> None:
     torch.set_num_threads(1)
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     pair, r2 = pairs[rank // 2], rank % 2
-    # cp 2: ranks 0-1 and 2-3 are two CP groups, each checking two families
+    # cp 2: ranks 0-1 and 2-3 are two CP groups, each checking some of the families
     for family in (("llama", "mistral", "phi3") if rank < 2 else ("qwen2", "qwen3")):
-        for method in ("ring", "allgather"):
-            _check_case(family, pair, method, method == "ring", 2, r2)
-    # cp 4: every family, both methods, the RoPE kernel
+        for method in ("ring", "allgather", "ulysses"):
+            _check_case(family, pair, method, method != "allgather", 2, r2)
+    # cp 4: every family, every method (hybrid: 2 Ulysses pairs in a ring), the RoPE kernel
     for family in FAMILIES:
-        for method in ("ring", "allgather"):
-            _check_case(family, dist.group.WORLD, method, True, 4, rank)
+        for method in ("ring", "allgather", "hybrid"):
+            _check_case(family, dist.group.WORLD, method, True, 4, rank,
+                        ulysses_size=2 if method == "hybrid" else None)
 
     # document isolation (cp 4): changing one document leaves the others' logits unchanged
     _, model = _models("qwen3")
