@@ -16,6 +16,8 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
 * :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``).
 * :mod:`cp_rope.launch.metrics`: throughput and MFU arithmetic, rank-0 logging.
+* :mod:`cp_rope.launch.finetune_hf`: the same trainer on a local transformers checkpoint
+  (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``).
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.
 """
 
