@@ -201,16 +201,19 @@ def test_sampler_batches_consumed_float():
 
 def test_sampler_failed_load_leaves_it_unchanged():
     """A refused state (epoch=-1) leaves the sampler exactly as it was (its docstring's promise)."""
-    s = _sampler()
-    s.set_epoch(2)
-    it = iter(s)
-    next(it)
+    def started():  # epoch 2, one batch taken
+        sampler = _sampler()
+        sampler.set_epoch(2)
+        it = iter(sampler)
+        next(it)
+        return sampler, it
+
+    (s, it), (twin, twin_it) = started(), started()
     before = s.state_dict()
     with pytest.raises(ValueError, match=r"epoch"):
         s.load_state_dict(dict(before, epoch=-1))
     assert s.state_dict() == before
-    twin = _sampler()
-    twin.load_state_dict(before)
+    assert list(it) == list(twin_it)  # the running epoch goes on as the twin's
     assert list(iter(s)) == list(iter(twin))
 
 
