@@ -99,6 +99,7 @@ class OutAcc:
             # (o * w2 in fp32, + out * w1, copy back rounded once) instead of merge_partials'
             # exact-case passes, which only padding rows (overwritten at the end) would need
             lse_new, w1, w2 = merge_weights(self.lse[:, rows], lse)
+            w1, w2 = w1.contiguous(), w2.contiguous()  # [n, H, 1]: coalesced reads below
             self.lse[:, rows] = lse_new
             for s in range(0, n, MERGE_ROWS):
                 e = min(n, s + MERGE_ROWS)

@@ -200,6 +200,19 @@ def cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k, caus
         cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k)
 
 
+def cudnn_dense_fwd(q, k, v, causal, scale):
+    """Dense forward of the same ops: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, Sk, D]`` (any strides
+    with a unit last one; the output adopts q's layout). Returns (out, stats
+    ``[B, Hq, S, 1]`` float32 contiguous)."""
+    return _cudnn_ops().sdpa_fwd(q, k, v, scale, is_causal=causal, return_lse=True)
+
+
+def cudnn_dense_bwd(dout, q, k, v, out, lse, causal, scale):
+    """Gradients of :func:`cudnn_dense_fwd` (``lse`` ``[B, Hq, S, 1]`` float32), in q / k / v's
+    layouts."""
+    return _cudnn_ops().sdpa_bwd(dout, q, k, v, out, lse, scale, is_causal=causal)
+
+
 # ----------------------------------------------------------------- flash_attn package
 
 @functools.cache

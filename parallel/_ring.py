@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingExchange"]
+__all__ = ["RingExchange", "Loopback", "ring_exchange"]
 
 
 class RingExchange:
@@ -52,3 +52,30 @@ class RingExchange:
         recv = self._pending[1]
         self._works, self._pending = [], None
         return recv
+
+
+class Loopback:
+    """The exchange of a *simulated* rank (a plan from ``CPAttentionPlan.simulated``, no
+    group): ``wait()`` returns what was started, so every step computes against this rank's
+    own K/V -- the same shapes and blocks as the real ring, no communication. Used to time
+    one rank's share of a cp_size-C step on one GPU (``bench_cp_attention.py --simulate-cp``).
+    """
+
+    def __init__(self):
+        self._pending = None
+
+    def start(self, xs: tuple[torch.Tensor, ...]) -> None:
+        if self._pending is not None:
+            raise RuntimeError("Loopback.start called twice without wait()")
+        self._pending = tuple(xs)
+
+    def wait(self) -> tuple[torch.Tensor, ...]:
+        if self._pending is None:
+            raise RuntimeError("Loopback.wait called without start()")
+        xs, self._pending = self._pending, None
+        return xs
+
+
+def ring_exchange(group: dist.ProcessGroup | None) -> RingExchange | Loopback:
+    """The ring exchange over ``group``; a :class:`Loopback` for a simulated rank (None)."""
+    return RingExchange(group) if group is not None else Loopback()

@@ -58,7 +58,7 @@ from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 from . import _compat
 from ._accumulate import OutAcc, Rows, acc_dtype, add_grads, mask_pad
 from ._blocks import get_backend
-from ._ring import RingExchange
+from ._ring import ring_exchange
 from .plan import METHODS, CPAttentionPlan
 from .ulysses import hybrid_backward, hybrid_forward, ulysses_backward, ulysses_forward
 
@@ -215,7 +215,10 @@ class _Gather:
         self.group, self.plan, self.shape = group, plan, kv.shape
         C = plan.cp_size
         self.buf = kv.new_empty((C, *kv.shape))
-        if dist.get_backend(group) == "gloo":
+        if group is None:  # a simulated rank: every rank's K/V are this rank's
+            self.buf.copy_(kv.expand(C, *kv.shape))
+            self.work = None
+        elif dist.get_backend(group) == "gloo":
             self.work = dist.all_gather(list(self.buf.unbind(0)), kv, group=group, async_op=True)
         else:
             # concatenation form [C * 2, T, ...]: the one every backend accepts
@@ -223,7 +226,8 @@ class _Gather:
                                                   async_op=True)
 
     def wait(self):
-        self.work.wait()
+        if self.work is not None:
+            self.work.wait()
         rest = self.shape[2:]  # one gather from the [C, 2, T] buffer into [2, C*T] global order
         flat = self.buf.view(-1, *rest).index_select(0, self.plan.indices["kv"])
         return flat.view(2, -1, *rest)
@@ -236,6 +240,8 @@ def _scatter_global_grads(dkv_glob, plan, group, n_rows):
     # gathered row p * T + i (global_index) is per_rank[p, 0 (k) / 1 (v), i]
     per_rank = dkv_glob.new_zeros((C, 2, n_rows, *rest))
     per_rank.view(C * 2 * n_rows, *rest).index_copy_(0, plan.indices["kv"], dkv_glob.reshape(-1, *rest))
+    if group is None:  # a simulated rank: no other rank to sum with
+        return per_rank[plan.cp_rank]
     if dist.get_backend(group) == "gloo":  # reduce_scatter is missing from gloo in older torch
         dist.all_reduce(per_rank, group=group)
         return per_rank[plan.cp_rank]
@@ -252,7 +258,7 @@ def ring_forward(group, q, k, v, plan, be, scale):
     acc = OutAcc(q, acc_dtype(q.dtype, plan.terms, be))
     auxs = []
     C = plan.cp_size
-    ring = RingExchange(group) if C > 1 else None
+    ring = ring_exchange(group) if C > 1 else None
     kv = (k, v)
     for i, blk in enumerate(plan.blocks["ring"]):
         if i + 1 < C:
@@ -273,8 +279,8 @@ def ring_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
     dq = Rows(q.shape, acc_dtype(q.dtype, plan.terms, be), dev)
     home = acc_dtype(q.dtype, min(plan.terms, 2), be)  # own block + what comes back
     dk, dv = Rows(k.shape, home, dev), Rows(v.shape, home, dev)
-    kv_ring = RingExchange(group) if C > 1 else None
-    dkv_ring = RingExchange(group) if C > 1 else None
+    kv_ring = ring_exchange(group) if C > 1 else None
+    dkv_ring = ring_exchange(group) if C > 1 else None
     # C - 1 steps' dK/dV, then added to the owner's: the input dtype at C = 2 (one term, or
     # the two query halves of a split torch_cudnn block summed and rounded once: then one
     # rounding more than fp32 accumulators; sending half the bytes of fp32 on the one

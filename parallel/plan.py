@@ -35,6 +35,7 @@ from cp_rope.positions import global_positions
 from cp_rope.validation import (
     check_bool,
     check_choice,
+    check_cp_args,
     check_cu_seqlens,
     check_cu_seqlens_content,
     check_int,
@@ -236,10 +237,7 @@ class CPAttentionPlan:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if group is not None and dist.get_world_size(group) > 1:
-            cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-        else:
-            group, cp_size, cp_rank = None, 1, 0
+        group, cp_size, cp_rank = _position(group)
         cu_host = cu_seqlens.detach().to("cpu")  # the one read of a device cu_seqlens
         n_valid = int(cu_host[-1])
         if n_tokens is None:
@@ -255,7 +253,7 @@ class CPAttentionPlan:
             ulysses = check_ulysses_args(method, ulysses_size, cp_size, q_heads, kv_heads)
         except (TypeError, ValueError) as exc:
             error = exc
-        if cp_size > 1:
+        if group is not None:  # cp_size > 1
             sig = {"q": (n_tokens, q_heads, head_dim), "k": (n_tokens, kv_heads, head_dim),
                    "dtype": str(dtype), "max_seqlen": max_seqlen, "causal": causal,
                    "method": method, "ulysses_size": ulysses_size, "cu_seqlens": cu_host.tolist(),
@@ -280,6 +278,27 @@ class CPAttentionPlan:
         if self.algorithm in A2A_METHODS:  # subgroups made now (collective), cached
             a2a_groups(group, ulysses)
         return self
+
+    @classmethod
+    def simulated(cls, cu_seqlens: torch.Tensor, max_seqlen: int, *, cp_size: int, cp_rank: int,
+                  **kwargs) -> CPAttentionPlan:
+        """The plan rank ``cp_rank`` of a ``cp_size`` CP group would build, without a group:
+        for one-GPU scaling studies (``scripts/bench_cp_attention.py --simulate-cp``). A call
+        with it runs this rank's blocks of the ring or all-gather method with loopback
+        exchanges (every step computes against this rank's own K/V: the same shapes, blocks
+        and kernels, no communication; the numbers are not attention of any input).
+        ``kwargs``: as :meth:`build` (``group`` excluded).
+
+        Raises: as :meth:`build`; ValueError for a method other than ring / allgather.
+        """
+        if kwargs.get("method", "ring") not in ("ring", "allgather"):
+            raise ValueError(f"method: simulated plans run ring or allgather, got "
+                             f"{kwargs['method']!r}")
+        if "group" in kwargs:
+            raise TypeError("simulated() takes cp_size / cp_rank, not group")
+        check_cp_args(cp_size, cp_rank)
+        return cls.build(cu_seqlens, max_seqlen, group=_SimulatedGroup(cp_size, cp_rank),
+                         **kwargs)
 
     @property
     def algorithm(self) -> str:
@@ -324,6 +343,23 @@ class CPAttentionPlan:
                 f"max_seqlen={self.max_seqlen}, cp={self.cp_rank}/{self.cp_size}, "
                 f"method={self.method!r}, causal={self.causal}, shape={self.shape}, "
                 f"dtype={self.dtype}, device={self.device})")
+
+
+@dataclasses.dataclass(frozen=True)
+class _SimulatedGroup:
+    """Stands for a rank of a CP group in :meth:`CPAttentionPlan.simulated`."""
+
+    size: int
+    rank: int
+
+
+def _position(group) -> tuple[dist.ProcessGroup | None, int, int]:
+    """``(group, cp_size, cp_rank)``: group None at cp_size 1 and for a simulated rank."""
+    if isinstance(group, _SimulatedGroup):
+        return None, group.size, group.rank
+    if group is not None and dist.get_world_size(group) > 1:
+        return group, dist.get_world_size(group), dist.get_rank(group)
+    return None, 1, 0
 
 
 def _check_seq_lens(seq_lens, cu_host, causal, cp_size):

@@ -1,41 +1,50 @@
 #!/usr/bin/env python3
-"""Benchmark cp_rope's context-parallel attention (forward + backward) on 1-4 GPUs.
+"""Benchmark cp_rope's context-parallel attention (forward and forward + backward).
 
-Setting (issue 4): a global batch of ``--tokens`` tokens (default 131072) as
-(a) one sequence and (b) documents of ``--doc-len`` tokens (default 2048:
-64 documents), 32 query heads, 8 KV heads (GQA), head_dim 128, bf16, causal.
+Setting: Hq 32, Hkv 8 (GQA), head_dim 128, bf16, causal, documents packed THD.
 
-One torchrun job of ``W`` processes (one per GPU) measures
+**One GPU** (``--nproc-per-node 1`` or plain ``python``): every layout of
+``--layouts`` (default all)
 
-* cp_size 1 on rank 0 alone (the others wait): every single-GPU backend that
-  runs the layout (torch_cudnn for the one sequence, torch_flash for both,
-  flash_attn if installed) -- the baseline is the fastest of them;
-* cp_size W on all ranks: ``method`` ring and allgather x backend auto
-  (cuDNN for the one sequence, the varlen flash kernel for documents) and
-  torch_flash;
-* what users would pick instead, at cp_size W on the one sequence: PyTorch's
-  ``torch.distributed.tensor.experimental.context_parallel`` around
-  ``F.scaled_dot_product_attention(is_causal=True)`` on ``[1, H, S, D]``
-  buffers (its load-balanced ring), MHA (32 KV heads) and GQA
-  (``enable_gqa=True``; reported as unsupported if it raises).
+* ``1x131072``: one sequence of 131072 tokens;
+* ``64x2048``, ``512x256``: 64 / 512 documents of 2048 / 256 tokens;
+* ``32768+64x1536``: one 32768-token document and 64 of 1536;
+* ``random``: 12 documents of 2048-16384 tokens (uniform, multiples of 128, seed 0)
+
+times ``context_parallel_attention`` at cp_size 1 with a plan built once per
+batch (outside the timed region, as the trainer does) for every block backend
+that runs the layout (``cudnn``, ``flash_attn`` if installed, ``torch_flash``,
+``torch_cudnn`` for one sequence) and ``auto``, plus dense cuDNN SDPA
+(``F.scaled_dot_product_attention`` under the cuDNN backend, ``enable_gqa``) on
+``[B, Hq, S, D]`` for the layouts of equal-length documents.
+
+``--simulate-cp C [C ...]``: on the one GPU, run each rank's share of a
+cp_size-C ring step in turn -- the rank's own plan
+(:meth:`CPAttentionPlan.simulated`: the same blocks and kernels, loopback
+exchanges instead of communication) on its ``T / C`` local rows -- and report
+the slowest rank's compute time and the compute-only scaling bound
+``t(cp=1) / (C * max_rank_time)``: what the multi-GPU ring reaches when its
+communication is hidden behind compute.
+
+**Several GPUs** (``torchrun --nproc-per-node W``, W > 1): the ``1x131072`` and
+``64x2048`` layouts at cp_size W on all ranks, methods ring and allgather x
+backends auto and torch_flash, and PyTorch's
+``torch.distributed.tensor.experimental.context_parallel`` around SDPA on the
+one sequence (MHA and GQA) unless ``--skip-torch-cp``.
 
 Per configuration: median over ``--iters`` timed iterations (CUDA events,
-after ``--warmup``) of forward and of forward+backward; achieved TFLOP/s per
-GPU with causal FLOPs counted once, as flash-attn's benchmarks do:
-``fwd = 4 * sum_b(L_b^2) / 2 * Hq * D``, ``fwd+bwd = 3.5 * fwd`` (the
-backward is 2.5 forwards), divided by ``cp_size`` GPUs; scaling efficiency
-``t(cp=1, fastest backend) / (W * t(cp=W))``; peak memory per GPU
-(``torch.cuda.max_memory_allocated`` over a forward+backward, inputs and
-gradients included) and its ratio to the cp_size 1 run of the same backend
-family.
+after ``--warmup``); TFLOP/s per GPU with causal FLOPs counted once, as
+flash-attn's benchmarks do: ``fwd = 4 * sum_b(L_b^2) / 2 * Hq * D``,
+``fwd+bwd = 3.5 * fwd``, divided by the GPUs; peak memory
+(``torch.cuda.max_memory_allocated`` over one forward + backward, inputs and
+gradients included).
 
-Usage (after `bash scripts/setup.sh`, or `pip install --no-deps --no-build-isolation -e .`)::
+Usage (repository root)::
 
-    torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
-    torchrun --nproc-per-node 4 scripts/bench_cp_attention.py --tokens 262144 --out bench_out
-    torchrun --nproc-per-node 1 scripts/bench_cp_attention.py   # cp_size 1 only
+    PYTHONPATH=. python scripts/bench_cp_attention.py --simulate-cp 2 4 8 --out bench_out
+    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
 
-Rank 0 prints a markdown table and writes it to ``<out>/cp_attention_cp<W>.md``.
+The tables are printed and written to ``<out>/cp_attention_cp<W>.md``.
 """
 
 from __future__ import annotations
@@ -44,6 +53,7 @@ import argparse
 import datetime
 import os
 import platform
+import random
 import statistics
 import sys
 import time
@@ -52,31 +62,51 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from cp_rope.parallel import context_parallel_attention  # noqa: E402
-from cp_rope.parallel._compat import flash_attn_available  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from cp_rope.parallel import CPAttentionPlan, context_parallel_attention  # noqa: E402
+from cp_rope.parallel._blocks import get_backend  # noqa: E402
+from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available  # noqa: E402
+
+LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random")
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=131072, help="global tokens per batch (default 131072)")
-    p.add_argument("--doc-len", type=int, default=2048, help="document length of layout (b) (default 2048)")
+    p.add_argument("--layouts", nargs="+", default=list(LAYOUT_NAMES), choices=LAYOUT_NAMES,
+                   help="one-GPU layouts to run (default: all)")
+    p.add_argument("--backends", nargs="+", default=None,
+                   help="one-GPU backends (default: every one that is installed, and auto)")
+    p.add_argument("--simulate-cp", nargs="*", type=int, default=[], metavar="C",
+                   help="one GPU: time each rank's share of a cp_size-C ring step (default: none)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
     p.add_argument("--warmup", type=int, default=2, help="untimed iterations per config (default 2)")
-    p.add_argument("--iters", type=int, default=8,
-                   help="timed iterations per config (default 8: the cp-2 comparisons differ by ~1%%)")
-    p.add_argument("--skip-torch-cp", action="store_true", help="do not run PyTorch's context_parallel")
+    p.add_argument("--iters", type=int, default=8, help="timed iterations per config (default 8)")
+    p.add_argument("--skip-torch-cp", action="store_true",
+                   help="several GPUs: do not run PyTorch's context_parallel")
     p.add_argument("--out", default=None, help="directory for cp_attention_cp<W>.md (default: print only)")
     return p.parse_args()
+
+
+def layout_lengths(name: str) -> list[int]:
+    """Document lengths of a named layout (every length a multiple of 128)."""
+    if name == "random":
+        rng = random.Random(0)
+        return [rng.randrange(2048, 16384 + 1, 128) for _ in range(12)]
+    if name == "32768+64x1536":
+        return [32768] + [1536] * 64
+    n, length = name.split("x")
+    return [int(length)] * int(n)
 
 
 def causal_fwd_flops(lengths: list[int], heads: int, head_dim: int) -> float:
     return 4.0 * sum(n * n for n in lengths) / 2 * heads * head_dim
 
 
-def cuda_time_ms(fn, warmup: int, iters: int) -> tuple[float, float]:
-    """(median ms, spread = (max - min) / median) over ``iters`` timed calls."""
+def cuda_time_ms(fn, warmup: int, iters: int) -> float:
+    """Median ms over ``iters`` timed calls."""
     for _ in range(warmup):
         fn()
     times = []
@@ -87,30 +117,11 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> tuple[float, float]:
         end.record()
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
-    med = statistics.median(times)
-    return med, (max(times) - min(times)) / med
+    return statistics.median(times)
 
 
-def bench_ours(args, lengths, cp_size, rank, group, method, backend, device):
-    """(fwd ms, fwd+bwd ms, peak GiB) of context_parallel_attention on this rank's shard."""
-    local = [n // cp_size for n in lengths]
-    cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32, device=device)
-    t = int(cu[-1])
-    gen = torch.Generator(device=device).manual_seed(rank)
-    mk = lambda h: torch.randn(t, h, args.head_dim, device=device, dtype=torch.bfloat16, generator=gen)
-    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
-    q.requires_grad_(), k.requires_grad_(), v.requires_grad_()
-    run = lambda: context_parallel_attention(q, k, v, cu, max(local), group=group, causal=True,
-                                             method=method, backend=backend)
-    return measure(args, run, (q, k, v), dout)
-
-
-def measure(args, run, leaves, dout):
-    """(fwd ms, (fwd+bwd ms, spread), peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``.
-
-    Peak memory: ``max_memory_allocated`` after a reset, with the inputs (q, k, v, dout)
-    allocated and the previous gradients released -- the same accounting at every cp_size.
-    """
+def measure(args, run, leaves, dout) -> tuple[float, float, float]:
+    """(fwd ms, fwd+bwd ms, peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``."""
 
     def fwd():
         with torch.no_grad():
@@ -121,22 +132,158 @@ def measure(args, run, leaves, dout):
             t.grad = None
         run().backward(dout)
 
-    fwd_bwd()  # plan / cuDNN graph caches before the memory measurement
+    fwd_bwd()  # graph / kernel caches before the memory measurement
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     fwd_bwd()
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() / 2**30
-    return cuda_time_ms(fwd, args.warmup, args.iters)[0], cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak
+    return (cuda_time_ms(fwd, args.warmup, args.iters),
+            cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak)
+
+
+def make_qkv(args, n_rows, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    mk = lambda h: torch.randn(n_rows, h, args.head_dim, device=device, dtype=torch.bfloat16,
+                               generator=gen)
+    q, k, v, dout = mk(args.heads), mk(args.kv_heads), mk(args.kv_heads), mk(args.heads)
+    return q.requires_grad_(), k.requires_grad_(), v.requires_grad_(), dout
+
+
+def bench_ours(args, plan, backend, device, seed=0):
+    """(fwd, fwd+bwd, peak) of context_parallel_attention with a prebuilt plan."""
+    q, k, v, dout = make_qkv(args, plan.n_tokens, device, seed)
+    run = lambda: context_parallel_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen,
+                                             group=plan.group, method=plan.method,
+                                             backend=backend, plan=plan)
+    return measure(args, run, (q, k, v), dout)
+
+
+def bench_dense_cudnn(args, lengths, device):
+    """Dense cuDNN SDPA on [B, Hq, S, D] (equal lengths only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    b, s = len(lengths), lengths[0]
+    gen = torch.Generator(device=device).manual_seed(0)
+    mk = lambda h: torch.randn(b, h, s, args.head_dim, device=device, dtype=torch.bfloat16,
+                               generator=gen)
+    q, k, v, dout = (mk(h) for h in (args.heads, args.kv_heads, args.kv_heads, args.heads))
+    for t in (q, k, v):
+        t.requires_grad_()
+
+    def run():
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    return measure(args, run, (q, k, v), dout)
+
+
+def plan_for(args, lengths, device, cp_size=1, cp_rank=None, group=None, method="ring"):
+    local = [n // cp_size for n in lengths]
+    cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
+    kw = dict(q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+              dtype=torch.bfloat16, device=device, method=method)
+    if cp_rank is not None:  # one rank of a simulated group
+        return CPAttentionPlan.simulated(cu, max(local), cp_size=cp_size, cp_rank=cp_rank, **kw)
+    return CPAttentionPlan.build(cu, max(local), group=group, **kw)
+
+
+def one_gpu_backends(args, device) -> list[str]:
+    if args.backends:
+        return args.backends
+    names = ["auto"]
+    if cudnn_frontend_unavailable() is None:
+        names.append("cudnn")
+    if flash_attn_available():
+        names.append("flash_attn")
+    return names + ["torch_flash", "torch_cudnn"]
+
+
+def run_one_gpu(args, device):
+    """rows: (layout, cp, impl, backend, fwd, fwd_bwd, peak, note); sim: simulation rows."""
+    rows, sim = [], []
+    probe = torch.empty(1, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
+
+    def record(layout, cp, impl, backend, fn):
+        try:
+            f, fb, peak = fn()
+            rows.append((layout, cp, impl, backend, f, fb, peak, ""))
+        except Exception as exc:  # unsupported combination: report it, keep going
+            rows.append((layout, cp, impl, backend, None, None, None,
+                         f"{type(exc).__name__}: {str(exc)[:100]}"))
+        torch.cuda.empty_cache()
+
+    for layout in args.layouts:
+        lengths = layout_lengths(layout)
+        plan = plan_for(args, lengths, device)
+        for backend in one_gpu_backends(args, device):
+            if backend == "torch_cudnn" and len(lengths) != 1:
+                continue
+            name = backend
+            if backend == "auto":
+                name = f"auto ({get_backend('auto', probe, plan.n_seqs).name})"
+            record(layout, 1, "cp_rope", name,
+                   lambda plan=plan, backend=backend: bench_ours(args, plan, backend, device))
+        if len(set(lengths)) == 1:
+            record(layout, 1, "dense SDPA", "cuDNN",
+                   lambda lengths=lengths: bench_dense_cudnn(args, lengths, device))
+        best = {r[3]: r[5] for r in rows if r[0] == layout and r[1] == 1 and r[5] is not None}
+        for C in args.simulate_cp:
+            if any(n % (2 * C) for n in lengths):
+                sim.append((layout, C, "-", None, None, None, "lengths not divisible by 2C"))
+                continue
+            backend = "cudnn" if "cudnn" in best else "torch_flash"
+            times = []
+            for r in range(C):
+                plan_r = plan_for(args, lengths, device, cp_size=C, cp_rank=r)
+                times.append(bench_ours(args, plan_r, backend, device, seed=r)[:2])
+                torch.cuda.empty_cache()
+            slow_f = max(t[0] for t in times)
+            slow_fb = max(t[1] for t in times)
+            fast_fb = min(t[1] for t in times)
+            sim.append((layout, C, backend, slow_f, slow_fb, best.get(backend) / (C * slow_fb),
+                        f"fastest rank {fast_fb:.2f} ms"))
+    return rows, sim
+
+
+def run_several_gpus(args, rank, world, device):
+    rows = []
+
+    def record(layout, impl, backend, fn):
+        try:
+            f, fb, peak = fn()
+            rows.append((layout, world, impl, backend, f, fb, peak, ""))
+        except Exception as exc:
+            rows.append((layout, world, impl, backend, None, None, None,
+                         f"{type(exc).__name__}: {str(exc)[:100]}"))
+        torch.cuda.empty_cache()
+
+    for layout in ("1x131072", "64x2048"):
+        lengths = layout_lengths(layout)
+        for method in ("ring", "allgather"):
+            for backend in ("auto", "torch_flash"):
+                plan = plan_for(args, lengths, device, cp_size=world, group=dist.group.WORLD,
+                                method=method)
+                record(layout, f"cp_rope {method}", backend,
+                       lambda plan=plan, backend=backend: bench_ours(args, plan, backend, device,
+                                                                     seed=rank))
+    if not args.skip_torch_cp:
+        for kv_heads in (args.heads, args.kv_heads):
+            name = "torch context_parallel " + ("MHA" if kv_heads == args.heads else "GQA")
+            record("1x131072", name, "SDPA",
+                   lambda kv_heads=kv_heads: bench_torch_cp(args, world, kv_heads, device))
+    peaks = torch.tensor([r[6] or 0.0 for r in rows], device=device)
+    dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # report the max over ranks
+    return [(*r[:6], p, r[7]) for r, p in zip(rows, peaks.tolist(), strict=True)]
 
 
 def bench_torch_cp(args, cp_size, kv_heads, device):
-    """PyTorch's context_parallel + SDPA(is_causal) on one sequence of args.tokens."""
+    """PyTorch's context_parallel + SDPA(is_causal) on one sequence of 131072 tokens."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.experimental import context_parallel
 
     mesh = init_device_mesh("cuda", (cp_size,))
-    s, d = args.tokens, args.head_dim
+    s, d = 131072, args.head_dim
     mk = lambda h: torch.randn(1, h, s, d, device=device, dtype=torch.bfloat16)
     q, k, v, dout = mk(args.heads), mk(kv_heads), mk(kv_heads), mk(args.heads)
     gqa = {"enable_gqa": True} if kv_heads != args.heads else {}
@@ -147,117 +294,77 @@ def bench_torch_cp(args, cp_size, kv_heads, device):
         return measure(args, run, (ql, kl, vl), dout)
 
 
+def format_report(args, world, rows, sim, elapsed) -> str:
+    cmd = ("PYTHONPATH=. python scripts/bench_cp_attention.py" if world == 1 else
+           f"PYTHONPATH=. torchrun --nproc-per-node {world} scripts/bench_cp_attention.py")
+    if world == 1 and args.simulate_cp:
+        cmd += " --simulate-cp " + " ".join(map(str, args.simulate_cp))
+    try:
+        import cudnn
+        fe = f"cudnn-frontend {cudnn.__version__}"
+    except ImportError:
+        fe = "cudnn-frontend not installed"
+    lines = [
+        f"Command: `{cmd}`  ",
+        f"Hardware: {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}, "
+        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, {fe}, "
+        f"Python {platform.python_version()}  ",
+        f"Hq {args.heads}, Hkv {args.kv_heads}, head_dim {args.head_dim}, bf16, causal. Median of "
+        f"{args.iters} iterations after {args.warmup} warm-up; plan built once outside the "
+        "timing; TFLOP/s per GPU with causal FLOPs counted once (fwd = 4 * sum L^2 / 2 * Hq * D, "
+        f"fwd+bwd = 3.5 fwd). Run time {elapsed:.0f} s.",
+        "",
+        "| layout | cp | implementation | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms "
+        "| fwd+bwd TFLOP/s | peak GiB | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for lay, cp, impl, backend, f, fb, peak, note in rows:
+        if fb is None:
+            lines.append(f"| {lay} | {cp} | {impl} | {backend} | - | - | - | - | - | {note} |")
+            continue
+        fl = causal_fwd_flops(layout_lengths(lay), args.heads, args.head_dim) / cp
+        lines.append(f"| {lay} | {cp} | {impl} | {backend} | {f:.2f} | {fl / f / 1e9:.0f} | "
+                     f"{fb:.2f} | {3.5 * fl / fb / 1e9:.0f} | {peak:.1f} | {note} |")
+    if sim:
+        lines += ["", "Simulated CP on one GPU (`--simulate-cp`): each rank's share of a ring "
+                  "step, run in turn with its own plan and loopback exchanges; slowest rank's "
+                  "time; bound = t(cp=1, same backend) / (C * slowest rank's fwd+bwd).", "",
+                  "| layout | C | backend | slowest rank fwd ms | slowest rank fwd+bwd ms "
+                  "| compute-only scaling bound | note |",
+                  "| --- | --- | --- | --- | --- | --- | --- |"]
+        for lay, C, backend, f, fb, bound, note in sim:
+            if fb is None:
+                lines.append(f"| {lay} | {C} | {backend} | - | - | - | {note} |")
+            else:
+                lines.append(f"| {lay} | {C} | {backend} | {f:.2f} | {fb:.2f} | {bound:.3f} | "
+                             f"{note} |")
+    return "\n".join(lines) + "\n"
+
+
 def main() -> int:
     args = parse_args()
+    torchrun = "LOCAL_RANK" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # the device only
     torch.cuda.set_device(local_rank)
     device = torch.device("cuda", local_rank)
-    dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600), device_id=device)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.tokens % (2 * world) or args.tokens % args.doc_len or args.doc_len % (2 * world):
-        raise SystemExit(f"--tokens {args.tokens} and --doc-len {args.doc_len} must be multiples "
-                         f"of 2 * world size = {2 * world}, tokens a multiple of doc-len")
-    layouts = {
-        "(a) 1 seq": [args.tokens],
-        f"(b) {args.tokens // args.doc_len} docs x {args.doc_len}": [args.doc_len] * (args.tokens // args.doc_len),
-    }
+    if torchrun:
+        dist.init_process_group("nccl", timeout=datetime.timedelta(seconds=600), device_id=device)
+    rank, world = (dist.get_rank(), dist.get_world_size()) if torchrun else (0, 1)
     started = time.monotonic()
-    rows = []  # (layout, cp, impl, backend, fwd, fwd_bwd, peak, note)
-
-    def record(layout, cp, impl, backend, fn):
-        try:
-            f, (fb, spread), peak = fn()
-            rows.append((layout, cp, impl, backend, f, fb, peak, f"spread {100 * spread:.1f}%"))
-        except Exception as exc:  # unsupported combination: report it, keep going
-            rows.append((layout, cp, impl, backend, None, None, None, f"{type(exc).__name__}: {str(exc)[:120]}"))
-        torch.cuda.empty_cache()
-
-    single_backends = (["flash_attn"] if flash_attn_available() else []) + ["torch_cudnn", "torch_flash"]
-    if rank == 0:  # cp_size 1 baselines, one GPU
-        for layout, lengths in layouts.items():
-            for backend in single_backends:
-                if backend == "torch_cudnn" and len(lengths) != 1:
-                    continue
-                record(layout, 1, "cp_rope", backend,
-                       lambda lengths=lengths, backend=backend: bench_ours(
-                           args, lengths, 1, 0, None, "ring", backend, device))
-    dist.barrier()
-    if world > 1:
-        for layout, lengths in layouts.items():
-            for method in ("ring", "allgather"):
-                for backend in ("auto", "torch_flash"):
-                    if backend == "torch_flash" and len(lengths) != 1:
-                        continue  # auto is torch_flash there already
-                    record(layout, world, f"cp_rope {method}", backend,
-                           lambda lengths=lengths, method=method, backend=backend: bench_ours(
-                               args, lengths, world, rank, dist.group.WORLD, method, backend, device))
-        if not args.skip_torch_cp:
-            for kv_heads in (args.heads, args.kv_heads):
-                name = "torch context_parallel " + ("MHA" if kv_heads == args.heads else "GQA")
-                record("(a) 1 seq", world, name, "SDPA",
-                       lambda kv_heads=kv_heads: bench_torch_cp(args, world, kv_heads, device))
-    # every rank measured its own peak; report the max over ranks of the cp_size W rows
-    # (the same configurations in the same order on every rank; rank 0 also has cp 1 rows)
-    n_single = sum(1 for r in rows if r[1] == 1)
-    peaks = [r[6] if r[6] is not None else 0.0 for r in rows]
-    if world > 1:
-        shared = torch.tensor(peaks[n_single:] or [0.0], device=device)
-        dist.all_reduce(shared, op=dist.ReduceOp.MAX)
-        peaks[n_single:] = shared.tolist()[:len(rows) - n_single]
+    if world == 1:
+        rows, sim = run_one_gpu(args, device)
+    else:
+        rows, sim = run_several_gpus(args, rank, world, device), []
     if rank == 0:
-        print(format_report(args, world, layouts, rows, peaks, time.monotonic() - started,
-                            out_dir=args.out), flush=True)
-    dist.destroy_process_group()
+        text = format_report(args, world, rows, sim, time.monotonic() - started)
+        print(text, flush=True)
+        if args.out:
+            os.makedirs(args.out, exist_ok=True)
+            with open(os.path.join(args.out, f"cp_attention_cp{world}.md"), "w") as fh:
+                fh.write(text)
+    if torchrun:
+        dist.destroy_process_group()
     return 0
-
-
-def format_report(args, world, layouts, rows, peaks, elapsed, out_dir) -> str:
-    flops = {lay: causal_fwd_flops(lens, args.heads, args.head_dim) for lay, lens in layouts.items()}
-    best1 = {}
-    mem1 = {}
-    for (lay, cp, _impl, backend, _f, fb, _p, _n), peak in zip(rows, peaks, strict=False):
-        if cp == 1 and fb is not None:
-            best1[lay] = min(best1.get(lay, fb), fb)
-            mem1[(lay, backend)] = peak
-    lines = [
-        f"### CP attention, {args.tokens} tokens, Hq {args.heads}, Hkv {args.kv_heads}, "
-        f"head_dim {args.head_dim}, bf16, causal, {world} GPU(s)",
-        "",
-        f"Command: `torchrun --nproc-per-node {world} scripts/bench_cp_attention.py "
-        f"--tokens {args.tokens} --doc-len {args.doc_len}`  ",
-        f"Hardware: {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}, "
-        f"CUDA {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}, "
-        f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, Python {platform.python_version()}  ",
-        f"Median of {args.iters} iterations after {args.warmup} warm-up (note: fwd+bwd spread "
-        "= (max - min) / median); TFLOP/s per GPU with causal "
-        "FLOPs counted once (fwd = 4 * sum L^2 / 2 * Hq * D, fwd+bwd = 3.5 fwd); scaling efficiency "
-        "= t(cp=1, fastest backend) / (cp * t); memory = peak allocated per GPU (max over ranks). "
-        f"Run time {elapsed:.0f} s.",
-        "",
-        "| layout | cp | implementation | backend | fwd ms | fwd+bwd ms | TFLOP/s/GPU (fwd+bwd) "
-        "| scaling eff. | peak GiB/GPU | mem / cp1 | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
-    ]
-    for (lay, cp, impl, backend, f, fb, _p, note), peak in zip(rows, peaks, strict=False):
-        if fb is None:
-            lines.append(f"| {lay} | {cp} | {impl} | {backend} | - | - | - | - | - | - | {note} |")
-            continue
-        tflops = 3.5 * flops[lay] / cp / (fb * 1e-3) / 1e12
-        eff = best1[lay] / (cp * fb) if lay in best1 else float("nan")
-        if backend == "auto":  # what auto resolves to without flash_attn
-            backend_fam = "torch_cudnn" if len(layouts[lay]) == 1 else "torch_flash"
-        else:
-            backend_fam = backend
-        ref_mem = mem1.get((lay, backend_fam))
-        ratio = f"{peak / ref_mem:.2f}" if ref_mem else "-"
-        lines.append(f"| {lay} | {cp} | {impl} | {backend} | {f:.1f} | {fb:.1f} | {tflops:.0f} | "
-                     f"{eff:.3f} | {peak:.1f} | {ratio} | {note} |")
-    text = "\n".join(lines) + "\n"
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-        with open(os.path.join(out_dir, f"cp_attention_cp{world}.md"), "w") as fh:
-            fh.write(text)
-    return text
 
 
 if __name__ == "__main__":

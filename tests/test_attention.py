@@ -255,7 +255,9 @@ def _make_case(seed, cp_size, hq, hkv, d, one_seq):
     pool = [0, 1, 2 * cp_size, 2 * cp_size + 1, 3, 9, 23]
     lens = [pool[int(i)] for i in torch.randint(0, len(pool), (6,), generator=gen)] + [0, 1, 2 * cp_size]
     lens = [lens[int(i)] for i in torch.randperm(len(lens), generator=gen)]
-    if one_seq:
+    if one_seq == "equal":
+        lens = [128 * cp_size] * 3
+    elif one_seq:
         lens = [37]
     padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in lens]
     cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
@@ -345,12 +347,43 @@ def fake_cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k,
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+def fake_cudnn_dense_fwd(q, k, v, causal, scale):
+    """Dense [n, H, S, D] views (token-major memory); output in q's layout, stats
+    [n, H, S, 1] contiguous."""
+    n, hq, sq, d = q.shape
+    out = torch.empty(n, sq, hq, d, dtype=q.dtype).transpose(1, 2)  # q's layout
+    stats = torch.empty(n, hq, sq, 1, dtype=torch.float64 if q.dtype == torch.float64
+                        else torch.float32)
+    for b in range(n):
+        blk = Block(torch.tensor([0, sq]), torch.tensor([0, k.shape[2]]), sq, k.shape[2], causal)
+        [(_, o, lse)], _ = _Reference().forward(q[b].transpose(0, 1), k[b].transpose(0, 1),
+                                                v[b].transpose(0, 1), blk, scale)
+        out[b], stats[b, :, :, 0] = o.transpose(0, 1), lse
+    return out, stats
+
+
+def fake_cudnn_dense_bwd(dout, q, k, v, out, lse, causal, scale):
+    assert lse.shape == (*q.shape[:3], 1) and lse.is_contiguous(), lse.shape
+    grads = [torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype)
+             .transpose(1, 2) for t in (q, k, v)]  # in q / k / v's layouts
+    t = lambda x, b: x[b].transpose(0, 1)
+    for b in range(q.shape[0]):
+        blk = Block(torch.tensor([0, q.shape[2]]), torch.tensor([0, k.shape[2]]), q.shape[2],
+                    k.shape[2], causal)
+        [(_, dq, _, dk, dv)] = _Reference().backward(
+            t(dout, b), t(q, b), t(k, b), t(v, b), t(out, b), lse[b, :, :, 0], blk, scale, None)
+        for g, x in zip(grads, (dq, dk, dv), strict=True):
+            g[b] = x.transpose(0, 1)
+    return tuple(grads)
+
+
 def _install_fake_kernels():
     from cp_rope.parallel import _blocks, _compat
     from cp_rope.parallel import attention as att
 
     _compat.torch_cudnn_fwd, _compat.torch_cudnn_bwd = fake_cudnn_fwd, fake_cudnn_bwd
     _compat.cudnn_thd_fwd, _compat.cudnn_thd_bwd = fake_cudnn_thd_fwd, fake_cudnn_thd_bwd
+    _compat.cudnn_dense_fwd, _compat.cudnn_dense_bwd = fake_cudnn_dense_fwd, fake_cudnn_dense_bwd
     real = att.get_backend
     fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
              "fake_cudnn": _blocks._Cudnn, "fake_cudnn_thd": _blocks._CudnnTHD}
@@ -373,7 +406,8 @@ def _parity_body(rank, world_size):
         (4, 4, 16, True, "fake_flash", True),
         (6, 2, 16, True, "fake_cudnn_thd", False),  # 10: + trailing rows
         (4, 2, 16, False, "fake_cudnn_thd", False),
-        (4, 4, 16, True, "fake_cudnn_thd", True),
+        (4, 4, 16, True, "fake_cudnn_thd", True),  # 12: one dense call per block
+        (4, 2, 16, True, "fake_cudnn_thd", "equal"),  # 13: equal documents: dense diagonal
     ]
     for ci, (hq, hkv, d, causal, backend, one_seq) in enumerate(cases):
         lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, one_seq)

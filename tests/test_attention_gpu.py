@@ -1,9 +1,17 @@
-"""GPU parity of CP attention: bf16 with the torch_flash and torch_cudnn backends.
+"""GPU parity of CP attention: bf16 with the cudnn, torch_flash and torch_cudnn backends.
 
 CP attention (both methods) on the zigzag shards of a global batch is compared
 with full attention over the same global batch on one GPU (float32 math on
-the same bf16 inputs), forward and backward. Tolerances are
-TransformerEngine's CP tests': atol = rtol = 2.5e-2 (MHA), 3.5e-2 (GQA).
+the same bf16 inputs), forward, merged LSE and backward. Tolerances are
+TransformerEngine's CP tests': atol = rtol = 2.5e-2 (MHA), 3.5e-2 (GQA); the
+LSE (fp32 from the same bf16 inputs) within 1e-3. Before every run the CUDA
+caching allocator is filled with NaN, so a kernel output the code leaves
+unwritten (rows without keys, skipped key rows) cannot pass.
+
+A second test runs a 16-layer attention-only forward + backward at cp_size 1
+with a prebuilt :class:`~cp_rope.parallel.CPAttentionPlan` under
+``torch.cuda.set_sync_debug_mode("error")``, for each GPU backend: any
+device-to-host sync raises.
 
 * cp_size 1 (one GPU), under pytest::
 
@@ -28,21 +36,39 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for torchrun
-from test_attention import naive_attention  # noqa: E402
+from test_attention import naive_attention, naive_lse  # noqa: E402
 from utils import assert_close  # noqa: E402
 
-from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
+from cp_rope.parallel import (  # noqa: E402
+    CPAttentionPlan,
+    context_parallel_attention,
+    shard_tensor,
+    unshard,
+)
+from cp_rope.parallel._compat import flash_attn_available  # noqa: E402
 from cp_rope.parallel.sharding import local_cu_seqlens  # noqa: E402
 
+ONE_SEQ = ("cudnn", "torch_flash", "torch_cudnn")
+VARLEN = ("cudnn", "torch_flash")
 # (name, real lengths, hq, hkv, head_dim, causal, backends)
 CASES = [
-    ("one seq MHA", [8192], 8, 8, 128, True, ("torch_flash", "torch_cudnn")),
-    ("one seq GQA", [8192], 16, 4, 128, True, ("torch_flash", "torch_cudnn")),
-    ("one seq GQA d64 ragged", [6001], 8, 2, 64, True, ("torch_flash", "torch_cudnn")),
-    ("varlen GQA", [0, 1, 700, 4, 2048, 0, 333, 1500], 16, 4, 128, True, ("torch_flash",)),
-    ("varlen MHA", [1024, 1, 2047, 0, 64], 8, 8, 64, True, ("torch_flash",)),
-    ("varlen GQA non-causal", [0, 1, 700, 5, 1500], 8, 2, 128, False, ("torch_flash",)),
+    ("one seq MHA", [8192], 8, 8, 128, True, ONE_SEQ),
+    ("one seq GQA", [8192], 16, 4, 128, True, ONE_SEQ),
+    ("one seq GQA d64 ragged", [6001], 8, 2, 64, True, ONE_SEQ),
+    ("varlen GQA", [0, 1, 700, 4, 2048, 0, 333, 1500], 16, 4, 128, True, VARLEN),
+    ("varlen MHA", [1024, 1, 2047, 0, 64], 8, 8, 64, True, VARLEN),
+    ("varlen GQA non-causal", [0, 1, 700, 5, 1500], 8, 2, 128, False, VARLEN),
+    ("one-token docs", [1, 1, 0, 1, 1, 1], 8, 2, 128, True, VARLEN),
+    ("equal docs GQA (cudnn: dense calls)", [2048] * 4, 16, 4, 128, True, VARLEN),
 ]
+
+
+def _poison_allocator(device: torch.device, gib: float = 4.0) -> None:
+    """Fill free memory of the caching allocator with NaN (reused by the next allocations)."""
+    torch.cuda.empty_cache()
+    junk = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device)
+    junk.fill_(float("nan"))
+    del junk
 
 
 def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES,
@@ -60,6 +86,8 @@ def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES
         ref_in = [t.float().requires_grad_() for t in (q, k, v)]
         ref = naive_attention(*ref_in, cu, causal, d ** -0.5, seq_lens)
         ref_grads = torch.autograd.grad(ref, ref_in, dout.float())
+        with torch.no_grad():
+            ref_lse = naive_lse(*ref_in[:2], cu, causal, d ** -0.5, seq_lens)
         del ref_in
         tol = 2.5e-2 if hq == hkv else 3.5e-2
         cu_dev = cu.to(device)
@@ -72,10 +100,11 @@ def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES
                 loc = [shard_tensor(t, cu_dev, cp_size, rank) for t in (q, k, v, dout)]
                 loc = [torch.cat([t, torch.randn_like(t[:extra])]) for t in loc]
                 ql, kl, vl = (t.requires_grad_() for t in loc[:3])
+                _poison_allocator(device)
                 try:
-                    out = context_parallel_attention(
+                    out, lse = context_parallel_attention(
                         ql, kl, vl, local_cu, max_local, group=group, causal=causal,
-                        method=method, backend=backend, seq_lens=seq_lens)
+                        method=method, backend=backend, seq_lens=seq_lens, return_lse=True)
                     out.backward(loc[3])
                 except Exception as exc:  # same inputs on every rank: all fail alike
                     results.append((label, f"raised {type(exc).__name__}: {exc}"))
@@ -90,6 +119,9 @@ def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES
                     for nm, got, exp in zip(("out", "dq", "dk", "dv"), gathered,
                                             (ref, *ref_grads), strict=True):
                         assert_close(got, exp, atol=tol, rtol=tol, name=f"{label} {nm}")
+                    assert bool((lse[:, n_local:] == float("-inf")).all()), "trailing LSE not -inf"
+                    got_lse = unshard(lse.t().contiguous(), local_cu, group).t()
+                    assert_close(got_lse, ref_lse, atol=1e-3, rtol=1e-3, name=f"{label} lse")
                 except AssertionError as exc:
                     msg = str(exc)
                 results.append((label, msg))
@@ -101,6 +133,46 @@ def test_cp_attention_gpu_cp1():
     results = _run_cases(0, 1, None, torch.device("cuda", torch.cuda.current_device()))
     failed = [f"{label}: {msg}" for label, msg in results if msg]
     assert not failed, "\n".join(failed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["cudnn", "torch_flash", "torch_cudnn", "flash_attn"])
+def test_no_sync_with_plan_16_layers(backend):
+    """A 16-layer attention-only step (forward + backward) at cp_size 1 with a prebuilt plan
+    does no device-to-host sync (torch raises on any under sync debug mode "error")."""
+    if backend == "flash_attn" and not flash_attn_available():
+        pytest.skip("flash_attn is not installed")
+    device = torch.device("cuda", torch.cuda.current_device())
+    lens = [16384] if backend == "torch_cudnn" else [0, 3000, 1, 4096, 2048, 7000]
+    hq, hkv, d, layers = 16, 4, 128, 16
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1]) + 5  # trailing rows too
+    plan = CPAttentionPlan.build(cu, max(lens), q_heads=hq, kv_heads=hkv, head_dim=d,
+                                 dtype=torch.bfloat16, device=device, n_tokens=n)
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(layers, 3, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
+    w.requires_grad_()
+    g = hq // hkv
+
+    def step():
+        h = x
+        for layer in range(layers):
+            q = h * w[layer, 0]
+            k, v = (h[:, ::g] * w[layer, j, ::g] for j in (1, 2))
+            h = h + context_parallel_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen,
+                                               plan=plan, backend=backend)
+        h.float().square().mean().backward()
+
+    step()  # warm-up outside the check: cuDNN graphs, kernel caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all()
 
 
 def main() -> int:

@@ -1,0 +1,197 @@
+"""CPAttentionPlan and block-backend selection on the CPU (no process group needed).
+
+* A plan used with other tensors, flags, a changed batch or another group raises
+  ValueError naming ``plan`` (never a silent wrong answer).
+* ``CPAttentionPlan.simulated`` (one rank of a cp_size-C group, loopback exchanges) runs
+  the ring and all-gather blocks of that rank.
+* Backend selection: ``auto`` picks ``cudnn`` on CUDA when the cuDNN frontend is usable,
+  for any number of documents, and what it picked before otherwise; an explicit
+  ``backend="cudnn"`` without the package names the install command. Only the
+  availability probes are monkeypatched (the numerics run on the GPU tests).
+* The frontend's import / version check in ``_compat``.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+import pytest
+import torch
+from test_attention import naive_attention, naive_lse
+from utils import assert_close
+
+from cp_rope.parallel import CPAttentionPlan, _blocks, _compat, context_parallel_attention
+
+F64 = {"atol": 1e-10, "rtol": 0.0}
+
+
+def _case(lens, hq=4, hkv=2, d=16, extra=0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1]) + extra
+    q, k, v = (torch.randn(n, h, d, generator=gen, dtype=torch.float64) for h in (hq, hkv, hkv))
+    return cu, q, k, v
+
+
+def _plan(cu, q, k, **kw):
+    return CPAttentionPlan.build(cu, int((cu[1:] - cu[:-1]).max()), q_heads=q.shape[1],
+                                 kv_heads=k.shape[1], head_dim=q.shape[2], dtype=q.dtype,
+                                 device=q.device, n_tokens=q.shape[0], **kw)
+
+
+def test_plan_result_and_lse_match_the_oracle():
+    """cp_size 1 with a plan: output and merged LSE against float64 naive attention."""
+    cu, q, k, v = _case([5, 0, 1, 17], extra=3)
+    for causal in (True, False):
+        plan = _plan(cu, q, k, causal=causal)
+        out, lse = context_parallel_attention(q, k, v, None, None, causal=causal, plan=plan,
+                                              return_lse=True, backend="reference")
+        assert_close(out, naive_attention(q, k, v, cu, causal, 0.25), **F64, name="out")
+        assert_close(lse, naive_lse(q, k, cu, causal, 0.25), **F64, name="lse")
+        assert lse.dtype == torch.float64 and lse.shape == (4, q.shape[0])
+
+
+def test_plan_misuse_names_plan():
+    cu, q, k, v = _case([6, 10], extra=2)
+    plan = _plan(cu, q, k)
+    cpa = context_parallel_attention
+    with pytest.raises(ValueError, match="plan: built for q"):
+        cpa(q[:-1], k[:-1], v[:-1], None, None, plan=plan)
+    with pytest.raises(ValueError, match="plan: built for q"):
+        cpa(q.float(), k.float(), v.float(), None, None, plan=plan)
+    with pytest.raises(ValueError, match="plan: built for q"):
+        cpa(q[:, :2], k, v, None, None, plan=plan)
+    with pytest.raises(ValueError, match="plan: cu_seqlens is not the plan's"):
+        cpa(q, k, v, cu.clone(), None, plan=plan)  # a new batch's tensor, even if equal
+    with pytest.raises(ValueError, match="plan: built for max_seqlen 10"):
+        cpa(q, k, v, None, 12, plan=plan)
+    with pytest.raises(ValueError, match="plan: built for causal=True"):
+        cpa(q, k, v, None, None, plan=plan, causal=False)
+    with pytest.raises(ValueError, match="plan: built for causal=True, method='ring'"):
+        cpa(q, k, v, None, None, plan=plan, method="allgather")
+    with pytest.raises(ValueError, match="plan: seq_lens"):
+        cpa(q, k, v, None, None, plan=_plan(cu, q, k, causal=False), causal=False,
+            seq_lens=torch.tensor([6, 10]))
+    with pytest.raises(TypeError, match="plan must be a CPAttentionPlan"):
+        cpa(q, k, v, cu, 10, plan="plan")
+    # the plan's own cu_seqlens / max_seqlen are accepted
+    assert torch.equal(cpa(q, k, v, plan.cu_seqlens, plan.max_seqlen, plan=plan),
+                       cpa(q, k, v, cu, 10))
+
+
+def test_plan_build_errors():
+    cu, q, k, _ = _case([6, 10])
+    kw = dict(q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float64, device="cpu")
+    with pytest.raises(TypeError, match="cu_seqlens must be int32"):
+        CPAttentionPlan.build(cu.long(), 10, **kw)
+    with pytest.raises(ValueError, match="max_seqlen = 8 is below"):
+        CPAttentionPlan.build(cu, 8, **kw)
+    with pytest.raises(ValueError, match="exceeds the number of tokens"):
+        CPAttentionPlan.build(cu, 10, n_tokens=15, **kw)
+    with pytest.raises(ValueError, match="multiple of k/v heads"):
+        CPAttentionPlan.build(cu, 10, **{**kw, "kv_heads": 3})
+    with pytest.raises(TypeError, match="dtype"):
+        CPAttentionPlan.build(cu, 10, **{**kw, "dtype": torch.int32})
+    with pytest.raises(ValueError, match="method must be one of"):
+        CPAttentionPlan.build(cu, 10, method="tree", **kw)
+
+
+def test_plan_keeps_host_segments_and_keyless_rows():
+    """The causal ring's second-half block at rank 0 of 2: the first-half query rows of every
+    sequence see no key (keyless_rows) and every block knows its segments on the host."""
+    cu = torch.tensor([0, 4, 4, 10], dtype=torch.int32)  # local lengths 4, 0, 6
+    plan = CPAttentionPlan.simulated(cu, 6, cp_size=2, cp_rank=0, q_heads=2, kv_heads=1,
+                                     head_dim=8, dtype=torch.float64, device="cpu")
+    diag, second = plan.blocks["ring"]
+    assert diag.keyless_rows is None and diag.dense == ((0, 4, 0, 4), (4, 6, 4, 6))
+    assert second.keyless_rows.tolist() == [0, 1, 4, 5, 6]
+    assert second.cu_q_host.tolist() == [0, 2, 4, 4, 4, 7, 10]
+
+
+@pytest.mark.parametrize("method", ["ring", "allgather"])
+def test_simulated_rank_runs_its_blocks(method):
+    """A simulated rank computes against its own K/V at every step: with one sequence whose
+    K/V rows are all equal (v constant per head), every output row equals that v."""
+    cp = 4
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    q = torch.randn(16, 2, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 1, 8, dtype=torch.float64).expand(16, 1, 8).clone().requires_grad_()
+    v = torch.randn(1, 1, 8, dtype=torch.float64).expand(16, 1, 8).clone().requires_grad_()
+    for r in range(cp):
+        plan = CPAttentionPlan.simulated(cu, 16, cp_size=cp, cp_rank=r, q_heads=2, kv_heads=1,
+                                         head_dim=8, dtype=torch.float64, device="cpu",
+                                         method=method)
+        assert (plan.cp_size, plan.cp_rank, plan.group) == (cp, r, None)
+        out = context_parallel_attention(q, k, v, None, None, plan=plan, method=method)
+        assert_close(out, v.detach().expand(16, 2, 8), **F64, name=f"rank {r}")
+        out.sum().backward()
+    with pytest.raises(ValueError, match="simulated plans run ring or allgather"):
+        CPAttentionPlan.simulated(cu, 16, cp_size=2, cp_rank=0, q_heads=2, kv_heads=1,
+                                  head_dim=8, dtype=torch.float64, device="cpu", method="ulysses")
+
+
+# --------------------------------------------------------------------------- selection
+
+class _FakeQ:
+    """What backend selection reads of q: device, dtype, shape (no CUDA tensor needed)."""
+
+    def __init__(self, dtype=torch.bfloat16, d=128, device="cuda:0"):
+        self.device, self.dtype, self.shape = torch.device(device), dtype, (8, 4, d)
+
+
+@pytest.fixture
+def cuda_probes(monkeypatch):
+    """A CUDA sm90 machine with cuDNN 9 and no flash_attn; the frontend as the test says."""
+    state = {"frontend": None, "cap": (9, 0)}
+    monkeypatch.setattr(_compat, "cudnn_frontend_unavailable", lambda: state["frontend"])
+    monkeypatch.setattr(_compat, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(_compat, "torch_cudnn_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["cap"])
+    return state
+
+
+def test_auto_picks_cudnn_for_any_number_of_documents(cuda_probes):
+    for n_seqs in (0, 1, 64, 512):
+        assert _blocks.get_backend("auto", _FakeQ(), n_seqs).name == "cudnn"
+    assert _blocks.get_backend("auto", _FakeQ(torch.float16, d=64), 3).name == "cudnn"
+
+
+def test_auto_without_cudnn_picks_what_it_did(cuda_probes):
+    cuda_probes["frontend"] = "needs the nvidia-cudnn-frontend package, which is not importable"
+    assert _blocks.get_backend("auto", _FakeQ(), 1).name == "torch_cudnn"
+    assert _blocks.get_backend("auto", _FakeQ(), 5).name == "torch_flash"
+    with pytest.raises(ValueError, match=r"backend='cudnn' needs the nvidia-cudnn-frontend.*"
+                                         r"pip install --no-deps \"nvidia-cudnn-frontend>=1.32\""):
+        _blocks.get_backend("cudnn", _FakeQ(), 5)
+
+
+def test_cudnn_refuses_what_it_cannot_run(cuda_probes):
+    assert _blocks.get_backend("auto", _FakeQ(d=256), 5).name == "torch_flash"
+    with pytest.raises(ValueError, match=r"backend='cudnn' supports head_dim <= 128.*got 256"):
+        _blocks.get_backend("cudnn", _FakeQ(d=256), 5)
+    with pytest.raises(ValueError, match=r"backend='cudnn' supports float16/bfloat16"):
+        _blocks.get_backend("cudnn", _FakeQ(torch.float32), 5)
+    assert _blocks.get_backend("auto", _FakeQ(torch.float32), 5).name == "reference"
+    with pytest.raises(ValueError, match=r"backend='cudnn' needs CUDA tensors"):
+        _blocks.get_backend("cudnn", _FakeQ(device="cpu"), 5)
+    cuda_probes["cap"] = (7, 5)
+    with pytest.raises(ValueError, match=r"backend='cudnn' needs an sm80\+ GPU"):
+        _blocks.get_backend("cudnn", _FakeQ(), 5)
+    assert _blocks.get_backend("auto", _FakeQ(), 5).name == "torch_flash"
+
+
+def test_cudnn_frontend_import_and_version_check(monkeypatch):
+    real = _compat._cudnn_frontend
+    try:
+        _compat._cudnn_frontend.cache_clear()
+        monkeypatch.setitem(sys.modules, "cudnn", types.SimpleNamespace(__version__="1.10.0"))
+        why = _compat.cudnn_frontend_unavailable()
+        assert why is not None and ">= 1.32" in why and "found 1.10.0" in why, why
+        with pytest.raises(RuntimeError, match=r"backend='cudnn' .*found 1\.10\.0.*pip install"):
+            _compat.cudnn_thd_fwd(None, None, None, None, None, 64, 64, True, 1.0)
+        _compat._cudnn_frontend.cache_clear()
+        monkeypatch.setitem(sys.modules, "cudnn", None)  # import cudnn raises ImportError
+        assert "not importable" in _compat.cudnn_frontend_unavailable()
+    finally:
+        real.cache_clear()
