@@ -14,6 +14,7 @@ reference is float32-exact, not float64.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import json
 import os
@@ -88,10 +89,18 @@ def _real_rows(global_logits, global_cu, docs):
     return torch.cat([global_logits[cu[i]:cu[i] + len(d)] for i, d in enumerate(docs)])
 
 
+@functools.cache
+def _expected(family):
+    """(weights, per-document logits, gradients) of the unpatched reference, once per process."""
+    ref, _ = _models(family)
+    return (ref.state_dict(),) + _reference(ref, _docs())
+
+
 def _check_case(family, group, method, rope_kernel, cp_size, cp_rank, ulysses_size=None):
     docs = _docs()
-    ref, model = _models(family)
-    want_logits, want_grads = _reference(ref, docs)
+    weights, want_logits, want_grads = _expected(family)
+    model = transformers.AutoModelForCausalLM.from_config(_config(family))
+    model.load_state_dict(weights)
     H.patch_model(model, group=group, method=method, rope_kernel=rope_kernel,
                   ulysses_size=ulysses_size)
     examples = [{"input_ids": d} for d in docs]
