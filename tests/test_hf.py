@@ -196,7 +196,17 @@ def test_bad_input():
                                                "rope_theta": 10000.0})
     with pytest.raises(ValueError, match="rope_kernel=False"):
         H.patch_model(dyn)
-    H.patch_model(dyn, rope_kernel=False)
+    H.patch_model(dyn, rope_kernel=False)  # right while no sequence is past max_positions
+    with torch.no_grad():
+        want = dyn(**inputs).logits
+    long = H.model_inputs(PackingCollator()([{"input_ids": torch.randint(0, V, (130,))}]))
+    with pytest.raises(ValueError, match="length-dependent RoPE \\(dynamic\\)"):
+        dyn(**long)
+    H.unpatch_model(dyn)
+    with torch.no_grad():
+        alone = torch.cat([dyn(input_ids=d[None]).logits[0] for d in _docs()])
+    assert_close(_real_rows(want[0], batch.cu_seqlens, _docs()), alone, dtype=torch.float32,
+                 name="dynamic rope, the model's own rotary embedding")
     # a model that would need sliding-window attention
     _, mistral = _models("mistral", sliding_window=8)
     H.patch_model(mistral)

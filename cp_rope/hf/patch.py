@@ -48,6 +48,9 @@ class CPRopePatch:
     _handles: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
     _attn_before: str | None = None
+    # rope_kernel=False with a length-dependent rope type (dynamic, longrope): the longest
+    # global sequence for which the model's own rotary embedding is still the default one
+    _static_rope_len: int | None = None
 
     def tables(self, device: torch.device, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos/sin ``[P, rotary_dim // 2]`` on ``device``, ``P >= n_positions``."""
@@ -248,6 +251,11 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         raise ValueError(f"model: expected one {rotary_name} and some {attn_name} modules, "
                          f"found {len(rotaries)} and {len(attns)}")
     decoder = next(m for m in model.modules() if getattr(m, "rotary_emb", None) is rotaries[0])
+    rope = getattr(model.config, "rope_parameters", None) or {}
+    if not rope_kernel and rope.get("rope_type") in ("dynamic", "longrope"):
+        patch.scaling = dict(rope)
+        patch._static_rope_len = int(rope.get("original_max_position_embeddings")
+                                     or model.config.max_position_embeddings)
     if rope_kernel:
         _check_rope(patch, rotaries[0], model.config)
         _install_rope_dispatcher(module)
@@ -305,6 +313,14 @@ def _before_forward(patch: CPRopePatch, args, kwargs):
         raise ValueError("use_cache=True: a patched model trains on packed CP rows and keeps "
                          "no KV cache")
     kwargs["use_cache"] = False
+    limit = patch._static_rope_len
+    if limit is not None and int(max_len) * patch.cp_size > limit:
+        raise ValueError(
+            f"max_length_q={int(max_len)}: a global sequence of up to {int(max_len) * patch.cp_size}"
+            f" tokens is past {limit}, where the model's length-dependent RoPE "
+            f"({patch.scaling['rope_type']}) would pick its frequencies from this rank's largest "
+            "position (different on every rank, and across documents): not the per-document "
+            "result; use a static rope type (e.g. 'ntk', 'yarn') or shorter documents")
     if content_checks_enabled(pos) and content_checks_enabled(cu):
         _check_positions(patch, pos, cu)
     patch._current = (cu, int(max_len))
