@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from cp_rope import RotaryEmbedding
-from cp_rope.parallel import context_parallel_attention
+from cp_rope.parallel import CPAttentionPlan, context_parallel_attention
 
 from .config import ModelConfig
 
@@ -46,9 +46,14 @@ class Attention(nn.Module):
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
         q, k = rope(q, k, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                     cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, backend=ctx.rope_backend)
+        if ctx.plan is None:  # once per forward (batch); every layer and recompute reuse it
+            ctx.plan = CPAttentionPlan.build(
+                ctx.cu_seqlens, ctx.max_seqlen, q_heads=q.shape[1], kv_heads=k.shape[1],
+                head_dim=q.shape[2], dtype=q.dtype, device=q.device, n_tokens=t,
+                group=ctx.cp_group, method=ctx.cp_method, ulysses_size=ctx.ulysses_size)
         o = context_parallel_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, group=ctx.cp_group,
                                        causal=True, method=ctx.cp_method, backend=ctx.attn_backend,
-                                       ulysses_size=ctx.ulysses_size)
+                                       ulysses_size=ctx.ulysses_size, plan=ctx.plan)
         return self.wo(o.reshape(t, self.n_heads * self.head_dim))
 
 
@@ -96,7 +101,7 @@ class _Ctx:
     """Per-forward batch layout and CP settings passed to every block."""
 
     __slots__ = ("cu_seqlens", "max_seqlen", "cp_group", "cp_size", "cp_rank", "cp_method",
-                 "attn_backend", "rope_backend", "ulysses_size")
+                 "attn_backend", "rope_backend", "ulysses_size", "plan")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -177,7 +182,7 @@ class Transformer(nn.Module):
         ctx = _Ctx(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), cp_group=self.cp_group,
                    cp_size=self.cp_size, cp_rank=self.cp_rank, cp_method=self.cp_method,
                    attn_backend=self.attn_backend, rope_backend=self.rope_backend,
-                   ulysses_size=self.ulysses_size)
+                   ulysses_size=self.ulysses_size, plan=None)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)
