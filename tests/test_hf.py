@@ -285,6 +285,12 @@ def _cp_body(rank: int, world: int) -> None:
         assert "already patched" in str(exc) and "unpatch_model" in str(exc)
     else:
         raise AssertionError("re-patching for another group was accepted")
+    try:  # the other pair's group
+        H.patch_model(_models("llama")[1], group=pairs[1 - rank // 2])
+    except ValueError as exc:
+        assert "not a member of the CP group" in str(exc)
+    else:
+        raise AssertionError("a group without this rank was accepted")
 
 
 def test_cp2_cp4_equal_unpatched():

@@ -237,6 +237,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
                              "process group; call cp_rope.hf.unpatch_model(model) first (or "
                              "patch a fresh copy)")
         unpatch_model(model)
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError("group: this process is not a member of the CP group passed to "
+                         "patch_model (pass the group of ranks that share its sequences)")
     if group is not None and dist.get_world_size(group) > 1:
         cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
     else:
