@@ -111,7 +111,7 @@ def test_bad_scaling_raises(scaling, match):
 # transformers computes in float32: base ** (2i / d) with a float32 exponent is off by up to
 # eps32 * ln(base) relative, so rtol = 4 * eps32 * (1 + ln(base)); ours is float64.
 
-HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+HF_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")  # phi3: partial rotary 0.5
 HF_ROPE = {
     "default": {"rope_type": "default"},
     "linear": {"rope_type": "linear", "factor": 4.0},
@@ -137,6 +137,7 @@ def hf():
     configs = {
         "llama": transformers.LlamaConfig, "mistral": transformers.MistralConfig,
         "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config,
+        "phi3": transformers.Phi3Config,
     }
     return transformers, ROPE_INIT_FUNCTIONS, configs
 
@@ -144,16 +145,19 @@ def hf():
 def _hf_config(hf, family, rope, theta, head_dim):
     transformers, _, configs = hf
     max_pos = rope.get("original_max_position_embeddings", 1024) * rope.get("factor", 1.0)
+    rope = dict(rope, rope_theta=theta)
+    if family == "phi3":  # rotary_dim = head_dim * partial_rotary_factor
+        rope["partial_rotary_factor"] = 0.5
     kwargs = dict(hidden_size=4 * head_dim, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=int(max_pos), rope_parameters=dict(rope, rope_theta=theta))
-    if family != "qwen2":  # Qwen2 derives head_dim from hidden_size / heads
+                  max_position_embeddings=int(max_pos), rope_parameters=rope)
+    if family not in ("qwen2", "phi3"):  # these derive head_dim from hidden_size / heads
         kwargs["head_dim"] = head_dim
     transformers.logging.set_verbosity_error()  # the yarn factor / max-position ratio warning
     return configs[family](**kwargs)
 
 
-@pytest.mark.parametrize("family", HF_FAMILIES)
-@pytest.mark.parametrize("name", list(HF_ROPE))
+@pytest.mark.parametrize("family, name", [  # Phi3's config takes default and longrope only
+    (f, n) for f in HF_FAMILIES for n in HF_ROPE if f != "phi3" or n == "default"])
 @pytest.mark.parametrize("theta, head_dim", [(10000.0, 64), (500000.0, 128), (1e6, 16)])
 def test_inv_freq_matches_transformers(hf, family, name, theta, head_dim):
     transformers, init_fns, _ = hf
@@ -163,17 +167,19 @@ def test_inv_freq_matches_transformers(hf, family, name, theta, head_dim):
         module = {"llama": transformers.models.llama.modeling_llama.LlamaRotaryEmbedding,
                   "mistral": transformers.models.mistral.modeling_mistral.MistralRotaryEmbedding,
                   "qwen2": transformers.models.qwen2.modeling_qwen2.Qwen2RotaryEmbedding,
-                  "qwen3": transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding}[family]
+                  "qwen3": transformers.models.qwen3.modeling_qwen3.Qwen3RotaryEmbedding,
+                  "phi3": transformers.models.phi3.modeling_phi3.Phi3RotaryEmbedding}[family]
         want, want_scale = module.compute_default_rope_parameters(config)
     else:
         want, want_scale = init_fns[kind](config)
     # The dict passed through unchanged: rope_theta inside it is the base.
-    got, scale = inv_freq(head_dim, scaling=config.rope_parameters)
+    rotary_dim = int(head_dim * config.rope_parameters.get("partial_rotary_factor", 1.0))
+    got, scale = inv_freq(rotary_dim, scaling=config.rope_parameters)
     rtol = 4 * torch.finfo(torch.float32).eps * (1 + math.log(theta))
     torch.testing.assert_close(got, want.double(), rtol=rtol, atol=0.0)
     assert scale == pytest.approx(want_scale, rel=1e-12)
     # The same through rope_cache: cos/sin at a few positions, the scale applied.
-    cos, sin = rope_cache(4, head_dim, scaling=config.rope_parameters, dtype=torch.float64)
+    cos, sin = rope_cache(4, rotary_dim, scaling=config.rope_parameters, dtype=torch.float64)
     torch.testing.assert_close(cos[3], torch.cos(3 * got) * scale, rtol=0, atol=1e-15)
     torch.testing.assert_close(sin[3], torch.sin(3 * got) * scale, rtol=0, atol=1e-15)
 
