@@ -223,8 +223,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     Raises:
         TypeError: ``model`` not a ``PreTrainedModel``; ``rope_kernel`` not a bool.
         ValueError: unsupported family; a model already patched for another group
-            (:func:`unpatch_model` first); unknown method/backend; a rope dict that
-            cp_rope cannot reproduce with ``rope_kernel=True``.
+            (:func:`unpatch_model` first); a ``group`` this process is not in; unknown
+            method/backend; a rope dict that cp_rope cannot reproduce with
+            ``rope_kernel=True`` (``dynamic``, ``longrope``: pass ``rope_kernel=False``).
     """
     module, attn_name, rotary_name = _family(model)
     rope_kernel = check_bool("rope_kernel", rope_kernel)
