@@ -9,14 +9,14 @@ Phi3 with its partial rotary; GQA included) into a packed, context-parallel one:
     model = patch_model(model, group=cp_group, method="ring")       # once
     batch = PackingCollator(cp_size=C, cp_rank=r)(examples)          # this rank's zigzag shard
     logits = model(**model_inputs(batch)).logits[0]                  # [T_local, V]
-    loss = cp_cross_entropy(logits, batch.labels, group)             # never labels=...
-    loss.backward()                                                  # then SUM gradients over group
+    loss = cp_cross_entropy(logits, batch.labels, dp_cp_group)       # never labels=...
+    loss.backward()                                                  # then SUM grads over dp x cp
 
 * The attention implementation ``"cp_rope"`` (registered in transformers'
   ``AttentionInterface`` when this module is imported) runs
   :func:`cp_rope.parallel.context_parallel_attention` on the packed rows of
   the ``[1, T]`` batch: causal inside every document, exact across the CP
-  ranks, with the group, method and backend of the model's patch.
+  ranks, with the group, method, backend and ``ulysses_size`` of the model's patch.
 * ``rope_kernel=True`` swaps the family's ``apply_rotary_pos_emb`` for a
   dispatcher that runs cp_rope's THD kernel (q and k in one launch, the CP
   position formula in-kernel, float64-exact cos/sin tables from
