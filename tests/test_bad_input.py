@@ -239,8 +239,8 @@ def _cross_rank_body(rank: int, world: int) -> None:
     # cp_attention_cu_seqlens_same_weighted_sum: [0,2,8,10,16] vs [0,4,4,12,16] (equal weighted sums)
     cu = torch.tensor([[0, 2, 8, 10, 16], [0, 4, 4, 12, 16]][rank], dtype=torch.int32)
     q, k, v = _qkv(t=16)
-    with pytest.raises(ValueError, match=r"cu_seqlens.*rank"):
-        context_parallel_attention(q, k, v, cu, 8, backend="reference")
+    with pytest.raises(RuntimeError, match=r"differ across the ranks(.|\n)*rank 1: cu_seqlens=.*4, 4, 12"):
+        context_parallel_attention(q, k, v, cu, 8, group=dist.group.WORLD, backend="reference")
     # unshard_different_local_lengths: rank 0 has 8 local rows, rank 1 has 12
     n = 8 + 4 * rank
     with pytest.raises(ValueError, match=r"cu_seqlens.*rank"):
@@ -249,7 +249,8 @@ def _cross_rank_body(rank: int, world: int) -> None:
 
 
 def test_cross_rank_checks():
-    """Inputs that differ across ranks raise ValueError on every rank (no wrong result, no abort)."""
+    """Inputs that differ across ranks raise on every rank (no wrong result, no gloo abort):
+    CP attention a RuntimeError showing each rank's cu_seqlens, unshard a ValueError."""
     run_distributed(_cross_rank_body, 2, timeout_s=60)
 
 
