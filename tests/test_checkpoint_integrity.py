@@ -304,7 +304,8 @@ def _two_rank_body(rank: int, world: int, root: str) -> None:
     for step in (1, 2):
         save_checkpoint(root, step, model, opt, sched, {"rank": rank})
     newest = os.path.join(root, "step_00000002")
-    names = sorted(json.load(open(os.path.join(newest, MANIFEST)))["files"])
+    with open(os.path.join(newest, MANIFEST)) as f:
+        names = sorted(json.load(f)["files"])
     assert len(names) >= 3 and all(os.path.isfile(os.path.join(newest, n)) for n in names), names
     victim = names[1::world][0]  # a file rank 1 hashes, not rank 0
     dist.barrier()
