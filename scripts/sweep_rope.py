@@ -59,7 +59,7 @@ def main() -> None:
             cu = skewed_cu(T, n, dev)
             for bt, hpp, nw in itertools.product((8, 16, 32, 64), (2, 4, 8), (2, 4, 8)):
                 cfg = dict(block_t=bt, heads_per_prog=hpp, num_warps=nw)
-                fn = lambda: rotary_triton(q, k, oq, ok, cos, sin, cu, 1, 0, False, False, cfg)  # noqa: B023
+                fn = lambda: rotary_triton(q, k, oq, ok, cos, sin, cu, 1, 0, False, False, config=cfg)  # noqa: B023
                 ms = triton.testing.do_bench(fn, rep=25, return_mode="median")
                 pct = 100 * nbytes / ms / 1e9 / copy_bw
                 rows.append(dict(case=case, n_seqs=n, **cfg, ms=ms, pct=pct))
