@@ -2,8 +2,9 @@
 # One-time set-up on a fresh machine: a virtual environment in .venv (it sees
 # the system's packages, so a CUDA build of torch you already have is kept),
 # PyTorch only when it is missing (the CPU wheel 2.13.0 by default), then
-# cp-rope itself, editable, with its test extra (pytest, hypothesis, ruff; without
-# network: the package alone, --no-deps --no-build-isolation). Safe to run again.
+# cp-rope itself, editable, with its test and hf extras (pytest, hypothesis, ruff;
+# transformers for cp_rope.hf; without network: the package alone, --no-deps
+# --no-build-isolation). Safe to run again.
 # Everything runs from this install: no PYTHONPATH=. anywhere.
 #
 # Environment: PYTHON (default python3), CP_ROPE_VENV (default .venv; set to
