@@ -51,6 +51,7 @@ import torch
 import torch.distributed as dist
 import tyro
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from cp_rope.hf import load_causal_lm, local_config, patch_model
 from cp_rope.positions import global_positions
@@ -185,7 +186,8 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
     its tokenizer.json as the default tokenizer.
 
     Raises: ConfigError naming the field (no ``--model``, not a local directory with a
-    supported config, a tokenizer with more ids than the model's vocabulary).
+    supported config, a tokenizer with more ids than the model's vocabulary, a
+    per-document placement, a rope backend other than auto).
     """
     if not fc.hf.model:
         raise ConfigError("hf.model='': required: --model DIR (a local checkpoint or config "
@@ -200,6 +202,9 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
         data.tokenizer = own
     cfg = PretrainConfig(model=_model_section(hf_config, fc.hf), data=data,
                          parallel=fc.parallel, optim=fc.optim, train=fc.train)
+    if fc.parallel.rope_backend != "auto":
+        raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
+                          "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
     if fc.parallel.cp_placement != "zigzag":
         raise ConfigError(f"parallel.cp_placement={fc.parallel.cp_placement!r}: cp_rope.hf runs "
                           "the zigzag layout only")
@@ -225,8 +230,6 @@ def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:
 
     Returns: the directory.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
     path = os.path.join(fc.train.out_dir, HF_MODEL_DIR)
     state = get_model_state_dict(model.lm, options=StateDictOptions(full_state_dict=True,
                                                                     cpu_offload=True))
