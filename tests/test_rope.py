@@ -428,3 +428,20 @@ def test_rotary_embedding_keeps_float32_tables_when_module_is_cast():
     cu = torch.tensor([0, 40], dtype=torch.int32)
     out, _ = rope(q, q.clone(), cu)  # works on the bf16 inputs with the float32 tables
     assert out.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_double_backward(backend):
+    """The backward is itself differentiable (create_graph=True): for y = R x and
+    g = R^T w, d(sum g)/dw = R 1, the forward rotation of ones."""
+    gen = torch.Generator().manual_seed(12)
+    dev = device_for(backend)
+    cu = torch.tensor([0, 5, 9], dtype=torch.int32, device=dev)
+    cos, sin = rope_cache(16, 8, device=dev)
+    x = thd(gen, 11, 2, 8, torch.float32, device=dev).requires_grad_()
+    w = thd(gen, 11, 2, 8, torch.float32, device=dev).requires_grad_()
+    y = apply_rotary_emb(x, cos, sin, cu, backend=backend)
+    (g,) = torch.autograd.grad(y, x, grad_outputs=w, create_graph=True)
+    assert_close(g, rope_reference(w.detach(), cos, sin, cu, conjugate=True), name="R^T w")
+    (gw,) = torch.autograd.grad(g.sum(), w)
+    assert_close(gw, rope_reference(torch.ones_like(x), cos, sin, cu), name="R 1")
