@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from ._blocks import NEG_INF, merge_weights
+from ._merge import fused_merge_supported, merge_rows_
 
 __all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads"]
 
@@ -28,7 +29,8 @@ __all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads"]
 # * dK/dV of a received block travel only for received blocks (cp_size - 1 hops back to
 #   the owner; the owner's own step-0 dK/dV stay home): one travelling buffer, bf16 at
 #   cp_size 2 (the kernel output itself, or the sum of a split cuDNN block's two halves);
-# * merges run over 8192-row slices: the fp32 temporaries stay at 8192 x Hq x D;
+# * merges: on CUDA one fused Triton pass (``_merge.merge_rows_``, no temporary); else over
+#   8192-row slices: the fp32 temporaries stay at 8192 x Hq x D;
 # * torch_cudnn: no dense call holds more query rows than one zigzag chunk except the causal
 #   diagonal (``Block.split_q``), so the per-call backward memory (its dq output
 #   and fp32 dq accumulator, both proportional to the query rows) stays at step 0's.
@@ -94,6 +96,9 @@ class OutAcc:
             rows = slice(row0, row0 + n)
             if first:  # rows it leaves out stay (0, -inf)
                 self.out[rows], self.lse[:, rows] = o, lse
+                continue
+            if fused_merge_supported(self.out, self.lse, o, lse):  # CUDA: one fused pass
+                merge_rows_(self.out[rows], self.lse[:, rows], o, lse)
                 continue
             # weights on [H, n]; then per 8192-row slice three output-sized passes
             # (o * w2 in fp32, + out * w1, copy back rounded once) instead of merge_partials'

@@ -107,6 +107,31 @@ def test_merge_rules():
     assert_close(lse[:, 2], torch.logaddexp(l1[:, 2], l2[:, 2]), **F64_EXACT, name="mixed lse")
 
 
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_kernel(acc_dtype):
+    """The Triton merge (the GPU path of every LSE merge; here under TRITON_INTERPRET on the
+    CPU) against the float64 merge rounded once: -inf partials on either side and both,
+    strided LSE views like cuDNN's, head_dim 80 (masked tile)."""
+    from cp_rope.parallel._merge import merge_rows_
+
+    gen = torch.Generator().manual_seed(11)
+    n, h, d = 37, 3, 80
+    ninf = float("-inf")
+    acc, o = _rand(gen, n, h, d), _rand(gen, n, h, d)
+    l1, l2 = _rand(gen, h, n) * 3, _rand(gen, h, n) * 3
+    l1[:, :5], l2[:, 3:8], l1[1, 20], l2[2, 20] = ninf, ninf, ninf, ninf
+    exp_out, exp_lse = merge_partials(acc, l1, o, l2)
+    got = acc.to(acc_dtype)
+    got_lse = l1.float().clone()
+    stats = l2.float().t().contiguous()  # token-major [n, h], used as an [h, n] view
+    merge_rows_(got, got_lse, o.to(torch.bfloat16), stats.t())
+    exp_out = merge_partials(acc.to(acc_dtype).double(), l1, o.to(torch.bfloat16).double(),
+                             l2)[0]
+    assert_close(got, exp_out.to(acc_dtype), dtype=acc_dtype, name="out")
+    assert_close(got_lse, exp_lse.float(), dtype=torch.float32, name="lse")
+    assert bool((got_lse[:, 3:5] == ninf).all()) and bool((got[3:5] == 0).all())
+
+
 def _block(cu_q, cu_k, causal):
     cu_q, cu_k = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
     d = lambda c: int((c[1:] - c[:-1]).max())

@@ -136,6 +136,31 @@ def test_cp_attention_gpu_cp1():
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("acc_dtype", [torch.float32, torch.bfloat16])
+def test_fused_merge_gpu(acc_dtype):
+    """The Triton LSE merge (every merge of CP attention on CUDA at cp_size > 1) against the
+    float64 merge of the same (rounded) inputs; -inf partials; cuDNN-style strided LSE."""
+    from test_attention import _rand
+
+    from cp_rope.parallel._blocks import merge_partials
+    from cp_rope.parallel._merge import merge_rows_
+
+    gen = torch.Generator().manual_seed(5)
+    n, h, d = 20000, 8, 128
+    acc, o = _rand(gen, n, h, d), _rand(gen, n, h, d)
+    l1, l2 = _rand(gen, h, n) * 3, _rand(gen, h, n) * 3
+    l1[:, :50], l2[:, 30:80] = float("-inf"), float("-inf")
+    got = acc.to("cuda", acc_dtype)
+    got_lse = l1.to("cuda", torch.float32)
+    o_in = o.to("cuda", torch.bfloat16)
+    merge_rows_(got, got_lse, o_in, l2.float().t().contiguous().cuda().t())
+    exp_out, exp_lse = merge_partials(acc.to(acc_dtype).double(), l1.float().double(),
+                                      o_in.double().cpu(), l2.float().double())
+    assert_close(got, exp_out.to(acc_dtype), dtype=acc_dtype, name="out")
+    assert_close(got_lse, exp_lse.float(), dtype=torch.float32, name="lse")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", ["cudnn", "torch_flash", "torch_cudnn", "flash_attn"])
 def test_no_sync_with_plan_16_layers(backend):
     """A 16-layer attention-only step (forward + backward) at cp_size 1 with a prebuilt plan
