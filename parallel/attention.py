@@ -60,7 +60,13 @@ from ._accumulate import OutAcc, Rows, acc_dtype, add_grads, mask_pad
 from ._blocks import get_backend
 from ._ring import ring_exchange
 from .plan import METHODS, CPAttentionPlan
-from .ulysses import hybrid_backward, hybrid_forward, ulysses_backward, ulysses_forward
+from .ulysses import (
+    A2A_METHODS,
+    hybrid_backward,
+    hybrid_forward,
+    ulysses_backward,
+    ulysses_forward,
+)
 
 __all__ = ["context_parallel_attention", "CPAttentionPlan"]
 
@@ -376,7 +382,10 @@ class _CPAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, plan, be, scale):
         forward, _ = _ALGORITHMS[plan.algorithm]
         out, lse, auxs = forward(plan.group, q, k, v, plan, be, scale)
-        ctx.save_for_backward(q, k, v, out, lse)
+        saved = (q, k, v, out, lse)
+        if plan.algorithm in A2A_METHODS:  # their backward reads their head-sharded copies
+            saved, auxs = auxs
+        ctx.save_for_backward(*saved)
         ctx.plan, ctx.be, ctx.scale, ctx.auxs = plan, be, scale, auxs
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
@@ -391,7 +400,6 @@ class _CPAttention(torch.autograd.Function):
         _, backward = _ALGORITHMS[plan.algorithm]
         accs = backward(plan.group, dout.contiguous(), q, k, v, out, lse, plan, ctx.be,
                         ctx.scale, ctx.auxs)
-        grads = [mask_pad(acc.value(), plan, 0.0, 0).to(t.dtype)
-                 for acc, t in zip(accs, (q, k, v), strict=True)]
+        grads = [mask_pad(acc.value(), plan, 0.0, 0).to(plan.dtype) for acc in accs]
         return (*grads, None, None, None)
 

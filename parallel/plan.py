@@ -275,7 +275,7 @@ class CPAttentionPlan:
                          seq_host, device, ulysses)
         schedule = _SCHEDULES[method if cp_size > 1 else "ring"]
         self.blocks, self.indices, self.terms = schedule(layout)
-        if self.algorithm in A2A_METHODS:  # subgroups made now (collective), cached
+        if self.algorithm in A2A_METHODS and group is not None:  # subgroups now (collective), cached
             a2a_groups(group, ulysses)
         return self
 

@@ -53,6 +53,10 @@ documents), on fast all-to-all links (NVLink within a node), and it needs
 the overlapped ring across nodes, and caps the head-count requirement at U. (No
 multi-GPU measurement here yet: see ``docs/benchmarks.md`` for what was measured.)
 
+Memory: the autograd Function saves the head-sharded q, k, v, out and LSE of the
+gathered rows *instead of* the local ones (the same number of elements: the ring's
+memory); the exchange buffers live only during the calls.
+
 Process groups: the all-to-all and ring subgroups of a CP group are created once
 (:func:`a2a_groups`, ``new_group(use_local_synchronization=True)`` with the CP
 group's timeout, when the batch's plan is built) and cached per (group, U). A peer
@@ -62,6 +66,7 @@ that fails or disappears makes every collective raise after that timeout.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -163,7 +168,9 @@ def a2a_inner_layout(lay):
 
 # --------------------------------------------------------------------------- groups
 
-_GROUPS: dict = {}
+# parent group -> {U: (a2a, ring)}; weak keys: a destroyed CP group takes its subgroups along
+# (a process group alive at interpreter exit can abort the process from its worker thread)
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def a2a_groups(group: dist.ProcessGroup, ulysses_size: int):
@@ -177,8 +184,8 @@ def a2a_groups(group: dist.ProcessGroup, ulysses_size: int):
     kind, so no creation order can deadlock) and ``group``'s timeout. Collective
     over ``group`` the first time a (group, U) is seen.
     """
-    key = (group, ulysses_size)
-    got = _GROUPS.get(key)
+    by_size = _GROUPS.setdefault(group, {})
+    got = by_size.get(ulysses_size)
     if got is None:
         C, r, U = dist.get_world_size(group), dist.get_rank(group), ulysses_size
         R, g, u = C // U, r // U, r % U
@@ -194,7 +201,7 @@ def a2a_groups(group: dist.ProcessGroup, ulysses_size: int):
 
         a2a = make(U, range(g * U, (g + 1) * U))
         ring = make(R, range(u, C, U))
-        got = _GROUPS[key] = (a2a, ring)
+        got = by_size[ulysses_size] = (a2a, ring)
     return got
 
 
@@ -292,19 +299,22 @@ def hybrid_forward(group, q, k, v, plan, be, scale, *, ring_forward):
     _heads_received(got, hq, u, n, out)
     out[n:] = 0
     lse[:, :n] = got_lse.view(hq, n)
-    return out, lse, (qg, kg, vg, out_g, lse_g, auxs)
+    # the state: what the autograd Function saves *instead of* the local (q, k, v, out, lse)
+    # -- the same number of elements, so the memory of the ring -- and the ring's own state
+    return out, lse, ((qg, kg, vg, out_g, lse_g), auxs)
 
 
-def hybrid_backward(group, dout, q, k, v, out, lse, plan, be, scale, state, *, ring_backward):
+def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs, *,
+                    ring_backward):
     """Hybrid (and Ulysses) backward: all-to-all of dout like q, the ring backward on
-    the saved head-sharded q/k/v/out/LSE, all-to-all of dq/dk/dv back (in the input
-    dtype; fp32 / fp64 when kv heads were shared by ``U / Hkv`` ranks, whose parts the
-    owner sums). Returns (dq, dk, dv) accumulators of the local rows."""
+    the head-sharded ``qg, kg, vg, out_g, lse_g`` the forward kept (its state), all-to-all
+    of dq/dk/dv back (in the input dtype; fp32 / fp64 when kv heads were shared by ``U /
+    Hkv`` ranks, whose parts the owner sums). Returns (dq, dk, dv) accumulators of the
+    local ``[T, H, D]`` rows."""
     u, n, a2a, ring, inner = _setup(plan)
     hq, hkv, d = plan.shape
     hq_l, hkv_l = hq // u, _local_heads(hkv, u)
     index = plan.indices["a2a"]
-    qg, kg, vg, out_g, lse_g, auxs = state
     send = dout.new_empty((u, n, hq_l, d))
     _heads_to_send(dout, n, u, send)
     recv, _ = _a2a(send, a2a)
@@ -314,8 +324,8 @@ def hybrid_backward(group, dout, q, k, v, out, lse, plan, be, scale, state, *, r
     grads = ring_backward(ring, dout_g, qg, kg, vg, out_g, lse_g, inner, be, scale, auxs)
     del dout_g
     shared = hkv % u != 0
-    gd = torch.promote_types(q.dtype, torch.float32) if shared else q.dtype
-    back = torch.empty((u * n, hq_l + 2 * hkv_l, d), dtype=gd, device=q.device)
+    gd = torch.promote_types(plan.dtype, torch.float32) if shared else plan.dtype
+    back = torch.empty((u * n, hq_l + 2 * hkv_l, d), dtype=gd, device=dout.device)
     for acc, lo, hi in zip(grads, (0, hq_l, hq_l + hkv_l), (hq_l, hq_l + hkv_l, None),
                            strict=True):
         back[:, lo:hi].index_copy_(0, index, acc.value().to(gd))
@@ -323,11 +333,12 @@ def hybrid_backward(group, dout, q, k, v, out, lse, plan, be, scale, state, *, r
     got, _ = _a2a(back.view(u, n, hq_l + 2 * hkv_l, d), a2a)
     del back
     result = []
-    for t, h, lo, hi in ((q, hq, 0, hq_l), (k, hkv, hq_l, hq_l + hkv_l),
-                         (v, hkv, hq_l + hkv_l, hq_l + 2 * hkv_l)):
-        g = torch.zeros(t.shape, dtype=gd, device=t.device)
+    for h, lo, hi in ((hq, 0, hq_l), (hkv, hq_l, hq_l + hkv_l),
+                      (hkv, hq_l + hkv_l, hq_l + 2 * hkv_l)):
+        shape = (plan.n_tokens, h, d)
+        g = torch.zeros(shape, dtype=gd, device=dout.device)
         _heads_received(got[:, :, lo:hi], h, u, n, g)
-        result.append(Rows(t.shape, gd, t.device, g))
+        result.append(Rows(shape, gd, dout.device, g))
     return tuple(result)
 
 

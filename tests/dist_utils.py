@@ -10,6 +10,7 @@ test with that rank's traceback.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import tempfile
 import traceback
@@ -36,6 +37,11 @@ def _entry(rank, world_size, init_file, timeout_s, fn, args, err_dir):
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        # Free the process groups (joining their gloo worker threads) while Python still runs:
+        # a worker that drops the last reference to a finished work during interpreter
+        # shutdown needs the GIL and aborts the process ("terminate called without an active
+        # exception"; seen under load as a SIGABRT of a rank whose test body had passed).
+        gc.collect()
 
 
 def run_distributed(fn, world_size: int, *args, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
