@@ -1,6 +1,7 @@
 """GPU parity of CP attention: bf16 with the cudnn, torch_flash and torch_cudnn backends.
 
-CP attention (both methods) on the zigzag shards of a global batch is compared
+CP attention (ring and allgather; at cp_size > 1 also ulysses, and hybrid with
+U = 2 at even cp_size > 2) on the zigzag shards of a global batch is compared
 with full attention over the same global batch on one GPU (float32 math on
 the same bf16 inputs), forward, merged LSE and backward. Tolerances are
 TransformerEngine's CP tests': atol = rtol = 2.5e-2 (MHA), 3.5e-2 (GQA); the
@@ -71,6 +72,14 @@ def _poison_allocator(device: torch.device, gib: float = 4.0) -> None:
     del junk
 
 
+def _methods(cp_size: int) -> list[tuple[str, int | None]]:
+    """(method, ulysses_size) runs at this cp_size (Ulysses at 1 would be the ring)."""
+    extra = [("ulysses", None)] if cp_size > 1 else []
+    if cp_size > 2 and cp_size % 2 == 0:
+        extra.append(("hybrid", 2))
+    return [("ring", None), ("allgather", None), *extra]
+
+
 def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES,
                ) -> list[tuple[str, str]]:
     """Every case x backend x method; returns (label, "" or the failure) per run."""
@@ -95,8 +104,8 @@ def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES
         max_local = max(padded) // cp_size
         extra = 3 if ci in (0, 3) else 0  # trailing rows that belong to no sequence
         for backend in backends:
-            for method in ("ring", "allgather"):
-                label = f"cp{cp_size} {name} {backend} {method}"
+            for method, u in _methods(cp_size):
+                label = f"cp{cp_size} {name} {backend} {method}" + (f" U={u}" if u else "")
                 loc = [shard_tensor(t, cu_dev, cp_size, rank) for t in (q, k, v, dout)]
                 loc = [torch.cat([t, torch.randn_like(t[:extra])]) for t in loc]
                 ql, kl, vl = (t.requires_grad_() for t in loc[:3])
@@ -104,7 +113,8 @@ def _run_cases(rank: int, cp_size: int, group, device: torch.device, cases=CASES
                 try:
                     out, lse = context_parallel_attention(
                         ql, kl, vl, local_cu, max_local, group=group, causal=causal,
-                        method=method, backend=backend, seq_lens=seq_lens, return_lse=True)
+                        method=method, backend=backend, seq_lens=seq_lens, return_lse=True,
+                        ulysses_size=u)
                     out.backward(loc[3])
                 except Exception as exc:  # same inputs on every rank: all fail alike
                     results.append((label, f"raised {type(exc).__name__}: {exc}"))
