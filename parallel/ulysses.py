@@ -351,20 +351,26 @@ ulysses_backward = hybrid_backward
 # --------------------------------------------------------------------------- volume
 
 def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head_dim: int,
-                cp_size: int, ulysses_size: int | None = None, elem_bytes: int = 2) -> dict:
-    """Bytes one rank sends per attention layer, forward and backward (a model, not a
-    measurement): ``{"forward": ..., "backward": ..., "overlapped": ...}``.
+                cp_size: int, ulysses_size: int | None = None, elem_bytes: int = 2,
+                acc_bytes: int = 4) -> dict:
+    """Bytes one rank sends per attention layer, forward and backward:
+    ``{"forward": ..., "backward": ..., "overlapped": ...}`` (a model of the code's
+    exchanges; ``tests/test_ulysses.py`` checks it against the bytes counted on gloo for
+    ring, ulysses and hybrid).
 
     Args:
         method: ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"``.
-        n_tokens: local rows T (global / C); head counts, head_dim: the layer's.
+        n_tokens: local rows T (global / C, no trailing padding); head counts and
+            head_dim: the layer's.
         cp_size, ulysses_size: C and U (hybrid; ulysses uses C).
         elem_bytes: bytes per element of q/k/v (2 for bf16).
+        acc_bytes: bytes per element of what travels as an accumulator or LSE (4: fp32;
+            8 for fp64 inputs): ring dK/dV beyond C = 2, the all-gather's dK/dV
+            reduce-scatter, dK/dV of kv heads shared by ``U / Hkv`` ranks, the LSE.
 
-    ``"overlapped"``: bytes of the total that travel while blocks compute (the ring's
-    steps; the all-gather's forward gather). Accumulators that travel in fp32 (ring
-    dK/dV beyond C = 2, the all-gather's reduce-scatter, shared-kv-head dK/dV) count
-    4 bytes per element.
+    ``"overlapped"``: bytes that travel while blocks compute (the ring's steps, the
+    all-gather's forward gather). At C = 2 the ring's dK/dV travel in the input dtype
+    (GPU backends; the reference backend's travel in fp32).
     """
     C, T, D = cp_size, n_tokens, head_dim
     kv = 2 * T * kv_heads * D
@@ -372,25 +378,27 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
         return {"forward": 0, "backward": 0, "overlapped": 0}
     if method == "ring":
         fwd = (C - 1) * kv * elem_bytes
-        bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * (elem_bytes if C == 2 else 4)
+        bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * (elem_bytes if C == 2 else acc_bytes)
         return {"forward": fwd, "backward": bwd, "overlapped": fwd + bwd}
     if method == "allgather":
         fwd = (C - 1) * kv * elem_bytes
-        # backward: the gather again, then the fp32 reduce-scatter of the global dK/dV
-        bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * 4
+        # backward: the gather again, then the reduce-scatter of the global dK/dV
+        bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * acc_bytes
         return {"forward": fwd, "backward": bwd, "overlapped": fwd}
     U = C if method == "ulysses" else ulysses_size
     if U is None or C % U:
         raise ValueError(f"comm_volume: ulysses_size must divide cp_size = {C}, got {U}")
     R = C // U
-    share = (U - 1) / U  # of each tensor, the part that leaves the rank
-    kv_sent = 2 * T * max(kv_heads, U) * D  # kv heads shared by U / Hkv ranks: one copy each
-    a2a_fwd = share * (T * q_heads * D + kv_sent + T * q_heads * D) * elem_bytes
-    g_bytes = 4 if kv_heads % U else elem_bytes
-    a2a_bwd = share * (T * q_heads * D * elem_bytes + (T * q_heads * D + kv_sent) * g_bytes)
+    # of each all-to-all buffer, (U - 1) / U leaves the rank; kv heads shared by U / Hkv
+    # ranks travel once per rank that uses them: max(Hkv, U) kv heads' worth
+    q_el, kv_el = T * q_heads * D, 2 * T * max(kv_heads, U) * D
+    g_bytes = acc_bytes if kv_heads % U else elem_bytes
+    a2a_fwd = (q_el + kv_el + q_el) * elem_bytes + T * q_heads * acc_bytes  # + the LSE
+    a2a_bwd = q_el * elem_bytes + (q_el + kv_el) * g_bytes
     # the inner ring moves U T rows of Hkv / U (or 1) kv heads per step
     ring_kv = 2 * U * T * max(kv_heads // U, 1) * D
     ring_fwd = (R - 1) * ring_kv * elem_bytes
-    ring_bwd = (R - 1) * ring_kv * elem_bytes + (R - 1) * ring_kv * (elem_bytes if R == 2 else 4)
-    return {"forward": int(a2a_fwd + ring_fwd), "backward": int(a2a_bwd + ring_bwd),
+    ring_bwd = (R - 1) * ring_kv * (elem_bytes + (elem_bytes if R == 2 else acc_bytes))
+    return {"forward": a2a_fwd * (U - 1) // U + ring_fwd,
+            "backward": a2a_bwd * (U - 1) // U + ring_bwd,
             "overlapped": ring_fwd + ring_bwd}

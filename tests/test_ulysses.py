@@ -13,7 +13,8 @@
   trailing padding rows; random batches from ``PackingCollator``; the GPU block
   backends' glue (flash varlen, cuDNN THD, torch cuDNN) through the fake kernels
   of ``tests/test_attention.py``; a reused
-  plan; the LSE equals the ring's. The same world checks that a bad
+  plan; the LSE equals the ring's; ``comm_volume`` equals the bytes counted at the
+  exchanges (ring, ulysses, hybrid; bf16). The same world checks that a bad
   ``ulysses_size``, heads that do not split and inputs that differ between
   ranks raise on every rank.
 * A rank that stalls after the plan is built makes the others raise within the
@@ -90,8 +91,9 @@ def test_comm_volume_model():
     t, d = 4096, 128
     ring = comm_volume("ring", cp_size=8, **kw)
     assert ring["forward"] == 7 * 2 * t * 8 * d * 2 and ring["overlapped"] == ring["forward"] + ring["backward"]
-    uly = comm_volume("ulysses", cp_size=8, **kw)
-    assert uly["forward"] == 7 * t * (32 + 16 + 32) * d * 2 // 8 and uly["overlapped"] == 0
+    uly = comm_volume("ulysses", cp_size=8, **kw)  # q, k, v out, out and its fp32 LSE back
+    assert uly["forward"] == (t * (32 + 16 + 32) * d * 2 + t * 32 * 4) * 7 // 8
+    assert uly["overlapped"] == 0
     # hybrid U = C is Ulysses, U = 1 is the ring
     assert comm_volume("hybrid", cp_size=8, ulysses_size=8, **kw) == uly
     assert comm_volume("hybrid", cp_size=8, ulysses_size=1, **kw) == ring
@@ -187,8 +189,62 @@ def _parity_body(rank, world_size):
                 for a, b in zip((*other, other_lse), (*want, want_lse), strict=True):
                     assert torch.equal(a, b), f"{tag}: {m} U={u} differs"
     _plan_reuse(rank, world)
+    _bytes_match_the_model(rank, world)
     _empty_batches(world)
     _errors_on_every_rank(rank, world)
+
+
+class _SentBytes:
+    """Counts the bytes this rank hands to the exchanges: ``all_to_all_single`` (all slots
+    but its own) and the isends of ``batch_isend_irecv`` (the ring)."""
+
+    def __enter__(self):
+        self.n = 0
+        self._a2a, self._p2p = dist.all_to_all_single, dist.batch_isend_irecv
+
+        def a2a(output, input, *args, group=None, **kw):
+            size = dist.get_world_size(group)
+            self.n += input.numel() * input.element_size() * (size - 1) // size
+            return self._a2a(output, input, *args, group=group, **kw)
+
+        def p2p(ops):
+            self.n += sum(op.tensor.numel() * op.tensor.element_size() for op in ops
+                          if op.op is dist.isend)
+            return self._p2p(ops)
+
+        dist.all_to_all_single, dist.batch_isend_irecv = a2a, p2p
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_to_all_single, dist.batch_isend_irecv = self._a2a, self._p2p
+
+
+def _bytes_match_the_model(rank, group):
+    """comm_volume (what bench_cp_attention.py reports) equals the bytes each rank hands to
+    the exchanges, forward and backward: bf16 through the fake flash kernels, whose partials
+    are in the input dtype as on the GPU (fp32 travels: LSE, ring dK/dV beyond 2 ranks,
+    shared kv heads' dK/dV)."""
+    C, d = dist.get_world_size(group), 8
+    for hq, hkv in ((8, 2), (8, 8)):
+        lens, cu, tensors = _make_case(950 + hkv, C, hq, hkv, d, one_seq=False)
+        local_cu = local_cu_seqlens(cu, C)
+        n = int(local_cu[-1])
+        max_local = int((local_cu[1:] - local_cu[:-1]).max())
+        q, k, v, dout = (shard_tensor(t, cu, C, rank).bfloat16() for t in tensors)
+        for method, u in (("ring", None), ("ulysses", None), ("hybrid", 2)):
+            plan = CPAttentionPlan.build(local_cu, max_local, q_heads=hq, kv_heads=hkv,
+                                         head_dim=d, dtype=torch.bfloat16, device="cpu",
+                                         group=group, method=method, ulysses_size=u)
+            ql = q.clone().requires_grad_()
+            with _SentBytes() as fwd:
+                out = context_parallel_attention(ql, k, v, None, None, group=group, plan=plan,
+                                                 method=method, backend="fake_flash")
+            with _SentBytes() as bwd:
+                out.backward(dout)
+            want = comm_volume(method, n_tokens=n, q_heads=hq, kv_heads=hkv, head_dim=d,
+                               cp_size=C, ulysses_size=u, elem_bytes=2, acc_bytes=4)
+            got = (fwd.n, bwd.n)
+            assert got == (want["forward"], want["backward"]), (method, hq, hkv, got, want)
 
 
 def _empty_batches(group):
