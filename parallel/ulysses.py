@@ -35,8 +35,9 @@ Communication per layer and rank (elements; T local rows, D head dim, ``Hkv'``
 
 * ring: ``C - 1`` steps of K/V, ``2 T Hkv D`` each, every one overlapped with a
   block's compute; the backward sends K/V and dK/dV (fp32 beyond ``C = 2``) again.
-* Ulysses: q, k, v out and the output back, once each: ``(C - 1)/C T (2 Hq + 2
-  Hkv') D`` forward, the same backward (dout out, dq/dk/dv back); not overlapped
+* Ulysses: q, k, v out and the output (and its fp32 LSE, ``T Hq``) back, once each:
+  ``(C - 1)/C T (2 Hq + 2 Hkv') D`` forward, the same backward (dout out, dq/dk/dv
+  back); not overlapped
   (the attention needs all of it first), but independent of the number of steps.
 * hybrid: the all-to-all of Ulysses within the group (``(U - 1)/U`` of it, on
   the group's own, typically intra-node, links) and a ring of ``R - 1`` steps of
