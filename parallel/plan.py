@@ -284,16 +284,14 @@ class CPAttentionPlan:
                   **kwargs) -> CPAttentionPlan:
         """The plan rank ``cp_rank`` of a ``cp_size`` CP group would build, without a group:
         for one-GPU scaling studies (``scripts/bench_cp_attention.py --simulate-cp``). A call
-        with it runs this rank's blocks of the ring or all-gather method with loopback
-        exchanges (every step computes against this rank's own K/V: the same shapes, blocks
-        and kernels, no communication; the numbers are not attention of any input).
+        with it runs this rank's blocks of its method with loopback exchanges (every step
+        computes against this rank's own K/V; ulysses / hybrid: the all-to-all hands back
+        this rank's own buffer: the same shapes, blocks and kernels, no communication; the
+        numbers are not attention of any input).
         ``kwargs``: as :meth:`build` (``group`` excluded).
 
-        Raises: as :meth:`build`; ValueError for a method other than ring / allgather.
+        Raises: as :meth:`build`.
         """
-        if kwargs.get("method", "ring") not in ("ring", "allgather"):
-            raise ValueError(f"method: simulated plans run ring or allgather, got "
-                             f"{kwargs['method']!r}")
         if "group" in kwargs:
             raise TypeError("simulated() takes cp_size / cp_rank, not group")
         check_cp_args(cp_size, cp_rank)

@@ -109,26 +109,26 @@ def test_plan_keeps_host_segments_and_keyless_rows():
     assert second.cu_q_host.tolist() == [0, 2, 4, 4, 4, 7, 10]
 
 
-@pytest.mark.parametrize("method", ["ring", "allgather"])
-def test_simulated_rank_runs_its_blocks(method):
+@pytest.mark.parametrize("method,ulysses_size", [("ring", None), ("allgather", None),
+                                                 ("ulysses", None), ("hybrid", 2)])
+def test_simulated_rank_runs_its_blocks(method, ulysses_size):
     """A simulated rank computes against its own K/V at every step: with one sequence whose
     K/V rows are all equal (v constant per head), every output row equals that v."""
     cp = 4
     cu = torch.tensor([0, 16], dtype=torch.int32)
-    q = torch.randn(16, 2, 8, dtype=torch.float64, requires_grad=True)
+    q = torch.randn(16, 4, 8, dtype=torch.float64, requires_grad=True)  # 4 heads: U <= 4
     k = torch.randn(1, 1, 8, dtype=torch.float64).expand(16, 1, 8).clone().requires_grad_()
     v = torch.randn(1, 1, 8, dtype=torch.float64).expand(16, 1, 8).clone().requires_grad_()
     for r in range(cp):
-        plan = CPAttentionPlan.simulated(cu, 16, cp_size=cp, cp_rank=r, q_heads=2, kv_heads=1,
+        plan = CPAttentionPlan.simulated(cu, 16, cp_size=cp, cp_rank=r, q_heads=4, kv_heads=1,
                                          head_dim=8, dtype=torch.float64, device="cpu",
-                                         method=method)
+                                         method=method, ulysses_size=ulysses_size)
         assert (plan.cp_size, plan.cp_rank, plan.group) == (cp, r, None)
-        out = context_parallel_attention(q, k, v, None, None, plan=plan, method=method)
-        assert_close(out, v.detach().expand(16, 2, 8), **F64, name=f"rank {r}")
+        out = context_parallel_attention(q, k, v, None, None, plan=plan, method=method,
+                                         ulysses_size=ulysses_size)
+        assert_close(out, v.detach().expand(16, 4, 8), **F64, name=f"rank {r}")
         out.sum().backward()
-    with pytest.raises(ValueError, match="simulated plans run ring or allgather"):
-        CPAttentionPlan.simulated(cu, 16, cp_size=2, cp_rank=0, q_heads=2, kv_heads=1,
-                                  head_dim=8, dtype=torch.float64, device="cpu", method="ulysses")
+        assert torch.isfinite(q.grad).all() and torch.isfinite(k.grad).all()
 
 
 # --------------------------------------------------------------------------- selection
