@@ -37,8 +37,8 @@ Communication per layer and rank (elements; T local rows, D head dim, ``Hkv'``
   block's compute; the backward sends K/V and dK/dV (fp32 beyond ``C = 2``) again.
 * Ulysses: q, k, v out and the output (and its fp32 LSE, ``T Hq``) back, once each:
   ``(C - 1)/C T (2 Hq + 2 Hkv') D`` forward, the same backward (dout out, dq/dk/dv
-  back); not overlapped
-  (the attention needs all of it first), but independent of the number of steps.
+  back); not overlapped (the attention needs all of it first), but independent of
+  the number of steps.
 * hybrid: the all-to-all of Ulysses within the group (``(U - 1)/U`` of it, on
   the group's own, typically intra-node, links) and a ring of ``R - 1`` steps of
   ``2 T Hkv D`` between groups (inter-node), overlapped as in the ring.
@@ -56,7 +56,8 @@ multi-GPU measurement here yet: see ``docs/benchmarks.md`` for what was measured
 
 Memory: the autograd Function saves the head-sharded q, k, v, out and LSE of the
 gathered rows *instead of* the local ones (the same number of elements: the ring's
-memory); the exchange buffers live only during the calls.
+memory; k and v ``U / Hkv`` times larger when kv heads are shared); the exchange
+buffers live only during the calls.
 
 Process groups: the all-to-all and ring subgroups of a CP group are created once
 (:func:`a2a_groups`, ``new_group(use_local_synchronization=True)`` with the CP
