@@ -47,6 +47,7 @@ a device tensor) and, with ``C > 1``, all-gathers the ranks' signatures.
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Literal
 
@@ -174,8 +175,8 @@ def context_parallel_attention(
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_choice("method", method, METHODS)
-    if softmax_scale is not None and not softmax_scale > 0:
-        raise ValueError(f"softmax_scale must be > 0, got {softmax_scale!r}")
+    if softmax_scale is not None and not 0 < softmax_scale < math.inf:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
     if plan is None:
         check_cu_seqlens(cu_seqlens, device=q.device)
         plan = CPAttentionPlan.build(
@@ -234,6 +235,7 @@ class _Gather:
     def wait(self):
         if self.work is not None:
             self.work.wait()
+            self.work = None  # release the gloo/NCCL work (and its tensors) now
         rest = self.shape[2:]  # one gather from the [C, 2, T] buffer into [2, C*T] global order
         flat = self.buf.view(-1, *rest).index_select(0, self.plan.indices["kv"])
         return flat.view(2, -1, *rest)

@@ -228,6 +228,9 @@ def test_bad_inputs():
     assert torch.equal(cpa(q, k, k, cu, np.int64(8)), cpa(q, k, k, cu, 8))
     with pytest.raises(ValueError, match="method"):
         cpa(q, k, k, cu, 8, method="tree")
+    for scale in (0.0, -1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softmax_scale must be finite and > 0"):
+            cpa(q, k, k, cu, 8, softmax_scale=scale)
     with pytest.raises(ValueError, match="backend='torch_flash' needs CUDA"):
         cpa(q, k, k, cu, 8, backend="torch_flash")
     with pytest.raises(ValueError, match="backend"):
