@@ -13,7 +13,7 @@
   trailing padding rows; random batches from ``PackingCollator``; the GPU block
   backends' glue (flash varlen, cuDNN THD, torch cuDNN) through the fake kernels
   of ``tests/test_attention.py``; a reused
-  plan; the LSE equals the ring's; ``comm_volume`` equals the bytes counted at the
+  plan; float32 inputs within the float32 tolerances; the LSE equals the ring's; ``comm_volume`` equals the bytes counted at the
   exchanges (ring, ulysses, hybrid; bf16). The same world checks that a bad
   ``ulysses_size``, heads that do not split and inputs that differ between
   ranks raise on every rank.
@@ -189,9 +189,26 @@ def _parity_body(rank, world_size):
                 for a, b in zip((*other, other_lse), (*want, want_lse), strict=True):
                     assert torch.equal(a, b), f"{tag}: {m} U={u} differs"
     _plan_reuse(rank, world)
+    _float32(rank, world)
     _bytes_match_the_model(rank, world)
     _empty_batches(world)
     _errors_on_every_rank(rank, world)
+
+
+def _float32(rank, group):
+    """float32 inputs (fp32 math in the reference backend) against the float64 oracle, with
+    the float32 tolerances of tests/utils.TOL."""
+    C = dist.get_world_size(group)
+    for ci, (method, u, hq, hkv) in enumerate((("ulysses", None, 8, 2), ("hybrid", 2, 4, 4))):
+        lens, cu, tensors = _collator_case(970 + ci, C, hq, hkv, 16)
+        ref_in = [t.clone().requires_grad_() for t in tensors[:3]]
+        ref = naive_attention(*ref_in, cu, True, 16 ** -0.5)
+        ref_grads = torch.autograd.grad(ref, ref_in, tensors[3])
+        got, local, _ = _run(group, rank, C, [t.float() for t in tensors], cu, True, None, 1,
+                             method=method, ulysses_size=u)
+        assert local[0].dtype == torch.float32
+        for name, g, e in zip(("out", "dq", "dk", "dv"), got, (ref, *ref_grads), strict=True):
+            assert_close(g, e, dtype=torch.float32, name=f"float32 {method} {name} rank{rank}")
 
 
 class _SentBytes:
