@@ -293,11 +293,16 @@ def host_time_us(apply, q, k, iters):
 
 
 def copy_bandwidth(device, nbytes, warmup, rep):
+    """TB/s of a device-to-device copy of ``nbytes`` (read + written), (graph, eager).
+
+    The reference is the faster of the two: captured in a CUDA graph, ``copy_``
+    becomes a memcpy node that the copy engines run (about 2.7 TB/s on an H200),
+    not the SM copy kernel that eager ``copy_`` launches (about 4.1-4.3 TB/s)."""
     src = torch.empty(nbytes // 2, device=device, dtype=torch.bfloat16).normal_()
     dst = torch.empty_like(src)
     ms = _graph(lambda: dst.copy_(src), None, rep)
     ms_eager = do_bench(lambda: dst.copy_(src), warmup=warmup, rep=rep, return_mode="median")
-    return 2 * nbytes / ms / 1e9, 2 * nbytes / ms_eager / 1e9  # TB/s (graph, eager)
+    return 2 * nbytes / ms / 1e9, 2 * nbytes / ms_eager / 1e9
 
 
 def check_correctness(caches, device, makers, n_tokens):
@@ -347,9 +352,13 @@ def main():
                    help="folder added to sys.path for flash_attn's rotary files and liger/ (default: .peer_rope)")
     p.add_argument("--peer-names", default="flash_attn,liger,torch.compile",
                    help="peers to time (default: flash_attn,liger,torch.compile)")
+    p.add_argument("--from-json", default=None,
+                   help="only re-render bench_rope.md from a run's bench_rope.json (no GPU needed)")
     p.add_argument("--device", default="cuda",
                    help="cuda (default); cpu only to smoke-test this script under TRITON_INTERPRET=1")
     args = p.parse_args()
+    if args.from_json:
+        return render(args.from_json, args)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     for path in (args.peers, os.path.join(args.peers, "liger")):
@@ -395,44 +404,76 @@ def main():
                         nbytes = pt.bytes_moved(q, k)
                         rows.append(dict(case=case, cp_size=cp_size, n_seqs=n_seqs, dist=dist, impl=name,
                                          fwd_ms=fwd, fwdbwd_ms=fb, fwd_graph_ms=fwd_g, fwdbwd_graph_ms=fb_g,
-                                         fwd_pct=100 * nbytes / fwd / 1e9 / copy_graph,
-                                         fwdbwd_pct=100 * 2 * nbytes / fb / 1e9 / copy_graph,
-                                         fwd_graph_pct=100 * nbytes / fwd_g / 1e9 / copy_graph,
-                                         fwdbwd_graph_pct=100 * 2 * nbytes / fb_g / 1e9 / copy_graph))
+                                         bytes=nbytes))
                     del pt
                     torch.cuda.empty_cache()
             print(f"case {case} cp_size {cp_size} done ({time.time() - t0:.0f} s)", flush=True)
 
-    md = report(rows, host, copy_graph, copy_eager, args, time.time() - t0)
-    with open(os.path.join(args.out, "bench_rope.md"), "w") as f:
-        f.write(md)
     with open(os.path.join(args.out, "bench_rope.json"), "w") as f:
-        json.dump(dict(copy_tbs_graph=copy_graph, copy_tbs_eager=copy_eager, host_us=host, rows=rows), f,
-                  indent=1)
+        json.dump(dict(copy_tbs_graph=copy_graph, copy_tbs_eager=copy_eager, host_us=host, rows=rows,
+                       seconds=time.time() - t0, argv=sys.argv[1:],
+                       hardware=hardware()), f, indent=1)
+    render(os.path.join(args.out, "bench_rope.json"), args)
+
+
+def hardware():
+    props = torch.cuda.get_device_properties(0)
+    return (f"{props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
+            f"triton {triton.__version__}, Python {platform.python_version()}, cp_rope {cp_rope.__version__}")
+
+
+def render(path, args):
+    """Write bench_rope.md next to the JSON of a run and print it."""
+    with open(path) as f:
+        d = json.load(f)
+    md = report(d, args)
+    with open(os.path.join(os.path.dirname(path), "bench_rope.md"), "w") as f:
+        f.write(md)
     print(md)
 
 
-def report(rows, host, copy_graph, copy_eager, args, seconds):
-    props = torch.cuda.get_device_properties(0)
+def _row_bytes(r, n_tokens):
+    """q/k bytes read + written by one forward (runs before bytes were stored)."""
+    hq, hk = CASES[r["case"]]
+    if r["impl"] == "liger" and hk == 0:
+        hk = 1
+    return 2 * n_tokens * (hq + hk) * HEAD_DIM * 2
+
+
+def report(d, args):
+    rows, host = d["rows"], d["host_us"]
+    copy_graph, copy_eager = d["copy_tbs_graph"], d["copy_tbs_eager"]
+    copy_ref = max(copy_graph, copy_eager)
+    argv = d.get("argv", sys.argv[1:])
+    n_tokens = next((int(a.split("=")[1]) for a in argv if a.startswith("--tokens=")),
+                    int(argv[argv.index("--tokens") + 1]) if "--tokens" in argv else 65536)
+    host_tokens = int(argv[argv.index("--host-tokens") + 1]) if "--host-tokens" in argv else 128
+    for r in rows:
+        nbytes = r.get("bytes") or _row_bytes(r, n_tokens)
+        for key in ("fwd", "fwdbwd", "fwd_graph", "fwdbwd_graph"):
+            moved = nbytes * (2 if key.startswith("fwdbwd") else 1)
+            r[f"{key}_pct"] = 100 * moved / r[f"{key}_ms"] / 1e9 / copy_ref
     names = list(dict.fromkeys(r["impl"] for r in rows))
     lines = [
         "## RoPE kernel (GPU, one H200)", "",
-        f"Command: `python scripts/bench_rope.py {' '.join(sys.argv[1:])}`  ",
-        f"Hardware: {props.name} ({props.total_memory / 2**30:.0f} GiB), torch {torch.__version__}, "
-        f"triton {triton.__version__}, Python {platform.python_version()}, cp_rope {cp_rope.__version__}  ",
-        f"Local T = {args.tokens}, bf16, head_dim {HEAD_DIM}; case (a) one tensor of 32 heads, (b) q 32 "
+        f"Command: `python scripts/bench_rope.py {' '.join(argv)}`  ",
+        f"Hardware: {d.get('hardware', '?')}  ",
+        f"Local T = {n_tokens}, bf16, head_dim {HEAD_DIM}; case (a) one tensor of 32 heads, (b) q 32 "
         f"heads + k 8 heads; cp_size 4 runs rank {CP_RANK}; lengths `equal` or `skewed` (one document "
-        "of T/4, the rest equal, shuffled). Peers: flash-attn 2.8.3's Triton rotary (`flash_attn_2.8.3` "
-        "sdist files, varlen; zigzag chunks + `seqlen_offsets` at cp 4; q and k two calls), Liger-Kernel "
-        "(`LigerRopeFunction`, cos/sin gathered by position_ids in the timed region; in case (a) it "
-        "also rotates a 1-head k, counted), `torch.compile` of the HF formula. % = bytes of q/k read "
-        f"+ written / time / the device-to-device copy measured in the same run (graph: "
-        f"**{copy_graph:.3f} TB/s**; eager do_bench of the copy: {copy_eager:.3f} TB/s). "
-        f"graph = `do_bench_cudagraph` (kernel time, no host overhead); eager = `do_bench` of the "
-        f"Python call (warmup {args.warmup} ms, rep {args.rep} ms); medians. Run time: {seconds:.0f} s.", "",
-        f"### Per-call host time (T = {args.host_tokens}, case (b), 4 sequences, cp 1)", "",
-        f"Back-to-back calls, one sync at the end ({args.host_iters} calls, median of 5): the GPU work "
-        "is a few microseconds, so this is the host's time per call.", "",
+        "of T/4, the rest equal, shuffled). Peers: flash-attn 2.8.3's Triton rotary (files from the "
+        "sdist, varlen; zigzag chunks + `seqlen_offsets` at cp 4; q and k two calls), Liger-Kernel "
+        "0.8.5 (`LigerRopeFunction`, cos/sin gathered by position_ids in the timed region; in case (a) "
+        "it also rotates a 1-head k, counted), `torch.compile` of the HF formula. % = bytes of q/k "
+        "read + written / time / the device-to-device copy measured in the same run, "
+        f"**{copy_ref:.3f} TB/s** (eager `copy_`, do_bench; the same copy captured in a CUDA graph "
+        f"runs on the copy engines at {copy_graph:.3f} TB/s and is not the reference). "
+        "graph = `do_bench_cudagraph` (kernel time, no host overhead); eager = `do_bench` of the "
+        f"Python call (warmup {args.warmup} ms, rep {args.rep} ms); medians. Run time: "
+        f"{d.get('seconds', float('nan')):.0f} s.", "",
+        f"### Per-call host time (T = {host_tokens}, case (b), 4 sequences, cp 1)", "",
+        "Back-to-back calls, one sync at the end (median of 5 batches): the GPU work is a few "
+        "microseconds, so this is the host's time per call (fwd+bwd includes autograd's hand-off "
+        "to its device thread).", "",
         "| impl | fwd us/call | fwd+bwd us/call |", "| --- | --- | --- |",
     ]
     for name, (f, fb) in host.items():
@@ -476,13 +517,34 @@ def report(rows, host, copy_graph, copy_eager, args, seconds):
             fa = by[(r["case"], r["cp_size"], r["n_seqs"], r["dist"], "flash_attn")]
             for key in ("fwd_graph_ms", "fwdbwd_graph_ms"):
                 if r[key] > fa[key]:
-                    slower.append(f"{key[:-9]} ({r['case']}, cp {r['cp_size']}, n {r['n_seqs']}): "
-                                  f"{r[key]:.4f} > {fa[key]:.4f} ms ({100 * (r[key] / fa[key] - 1):.1f}% slower)")
+                    slower.append((100 * (r[key] / fa[key] - 1),
+                                   f"{key[:-9]} ({r['case']}, cp {r['cp_size']}, n {r['n_seqs']}): "
+                                   f"{r[key]:.4f} vs {fa[key]:.4f} ms"))
+        slower.sort()
         lines.append("- not slower than flash-attn's rotary on equal lengths (graph): "
-                     + ("met at every point" if not slower else f"NOT met at {len(slower)} of "
-                        f"{2 * sum(r['dist'] == 'equal' for r in ours)}: " + "; ".join(slower)))
+                     + ("met at every point" if not slower else
+                        f"NOT met at {len(slower)} of {2 * sum(r['dist'] == 'equal' for r in ours)} "
+                        f"(fwd and fwd+bwd): cp_rope slower by {slower[0][0]:.1f}-{slower[-1][0]:.1f}% "
+                        f"(median {statistics.median(x for x, _ in slower):.1f}%; worst {slower[-1][1]})"))
+        skew = [r for r in rows if r["impl"] == "flash_attn" and r["dist"] == "skewed"]
+        if skew:
+            lines.append(f"- skewed lengths: flash-attn's rotary (grid n_seqs x max_seqlen) reaches "
+                         f"{min(r['fwd_graph_pct'] for r in skew):.1f}-{max(r['fwd_graph_pct'] for r in skew):.1f}% "
+                         f"of copy bandwidth, cp_rope "
+                         f"{min(r['fwd_graph_pct'] for r in ours if r['dist'] == 'skewed'):.1f}-"
+                         f"{max(r['fwd_graph_pct'] for r in ours if r['dist'] == 'skewed'):.1f}% (fwd, graph)")
+    beaten = []
+    for r in ours:
+        for n in names:
+            o = by.get((r["case"], r["cp_size"], r["n_seqs"], r["dist"], n))
+            if n != "cp_rope" and o is not None:
+                beaten += [n for key in ("fwd_graph_ms", "fwdbwd_graph_ms") if o[key] < r[key]]
+    lines.append("- faster than every peer at every point (graph): " + (
+        "met" if not beaten else "NOT met: a peer is faster in " + ", ".join(
+            f"{beaten.count(n)} {n}" for n in dict.fromkeys(beaten)) + " of "
+        f"{2 * len(ours)} (point, direction) pairs"))
     ratios = [r["fwdbwd_ms"] / r["fwdbwd_graph_ms"] for r in ours]
-    lines.append(f"- eager fwd+bwd within 10% of graph time at T = {args.tokens}: eager / graph = "
+    lines.append(f"- eager fwd+bwd within 10% of graph time at T = {n_tokens}: eager / graph = "
                  f"{min(ratios):.3f}..{max(ratios):.3f}: {'met' if max(ratios) <= 1.10 else 'NOT met'}")
     if "cp_rope" in host and len(host) > 1:
         peers_h = {n: h for n, h in host.items() if n != "cp_rope"}
