@@ -195,3 +195,24 @@ def test_cudnn_frontend_import_and_version_check(monkeypatch):
         assert "not importable" in _compat.cudnn_frontend_unavailable()
     finally:
         real.cache_clear()
+
+
+def test_the_model_builds_one_plan_per_step(monkeypatch):
+    """The pretraining model builds the batch's plan once per forward and every layer (and the
+    activation-checkpoint recompute in backward) reuses it."""
+    from cp_rope.launch.config import ModelConfig
+    from cp_rope.launch.model import Transformer
+    from cp_rope.launch.parallelize import apply_activation_checkpointing
+
+    builds = []
+    real = CPAttentionPlan.build.__func__
+    monkeypatch.setattr(CPAttentionPlan, "build",
+                        classmethod(lambda cls, *a, **kw: builds.append(1) or real(cls, *a, **kw)))
+    cfg = ModelConfig(dim=32, n_layers=3, n_heads=2, n_kv_heads=1, ffn_hidden_dim=64,
+                      vocab_size=64, max_seq_len=64)
+    model = Transformer(cfg)
+    apply_activation_checkpointing(model)
+    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    for step in range(2):
+        model(torch.randint(0, 64, (40,)), cu, 23).square().mean().backward()
+        assert len(builds) == step + 1, builds
