@@ -70,14 +70,11 @@ def _rotate_heads(
         px = X + row_x + h * stride_xh
         po = OUT + row_o + h * stride_oh
         if INTERLEAVED:
-            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
-                        eviction_policy="evict_first").to(tl.float32)
+            x = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
             x1, x2 = tl.split(tl.reshape(x, [BLOCK_T, BLOCK_R, 2]))
         else:
-            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
-            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask, other=0.0,
-                         eviction_policy="evict_first").to(tl.float32)
+            x1 = tl.load(px + offs[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(px + (offs + ROT_HALF)[None, :] * stride_xd, mask=mask, other=0.0).to(tl.float32)
         y1 = x1 * cos - x2 * sin
         y2 = x2 * cos + x1 * sin
         if INTERLEAVED:
@@ -88,7 +85,7 @@ def _rotate_heads(
             tl.store(po + (offs + ROT_HALF)[None, :] * stride_od, y2.to(OUT.dtype.element_ty),
                      mask=mask)
         if COPY_PASS:
-            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass, eviction_policy="evict_first")
+            xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
 
 
@@ -167,10 +164,8 @@ def _rope_kernel(
     offs_r = tl.arange(0, BLOCK_R)
     mask_cs = valid[:, None] & (offs_r < ROT_HALF)[None, :]
     cs_offs = pos[:, None] * stride_cs + offs_r[None, :]
-    # q and k are streamed once (evict first); the cos/sin rows are shared by the
-    # neighbouring programs of the same token block (evict last)
-    cos = tl.load(COS + cs_offs, mask=mask_cs, other=1.0, eviction_policy="evict_last").to(tl.float32)
-    sin = tl.load(SIN + cs_offs, mask=mask_cs, other=0.0, eviction_policy="evict_last").to(tl.float32)
+    cos = tl.load(COS + cs_offs, mask=mask_cs, other=1.0).to(tl.float32)
+    sin = tl.load(SIN + cs_offs, mask=mask_cs, other=0.0).to(tl.float32)
     if CONJUGATE:
         sin = -sin
 
