@@ -26,9 +26,11 @@ the slowest rank's compute time and the compute-only scaling bound
 ``t(cp=1) / (C * max_rank_time)``: what the multi-GPU ring reaches when its
 communication is hidden behind compute.
 
-**Several GPUs** (``torchrun --nproc-per-node W``, W > 1): the ``1x131072`` and
-``64x2048`` layouts at cp_size W on all ranks, methods ring and allgather x
-backends auto and torch_flash, and PyTorch's
+**Several GPUs** (``torchrun --nproc-per-node W``, W > 1): every layout of
+``--layouts`` whose lengths divide by 2W, at cp_size W on all ranks, methods of
+``--methods`` (ring, allgather, ulysses: backend auto; ring on one sequence also
+torch_flash; per_document: documents up to ``--split-threshold`` tokens whole on
+one rank, the rest ring-split), and PyTorch's
 ``torch.distributed.tensor.experimental.context_parallel`` around SDPA on the
 one sequence (MHA and GQA) unless ``--skip-torch-cp``.
 
@@ -41,8 +43,8 @@ gradients included).
 
 Usage (repository root)::
 
-    PYTHONPATH=. python scripts/bench_cp_attention.py --simulate-cp 2 4 8 --out bench_out
-    PYTHONPATH=. torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
+    python scripts/bench_cp_attention.py --simulate-cp 2 4 8 --out bench_out
+    torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
 
 The tables are printed and written to ``<out>/cp_attention_cp<W>.md``.
 """
@@ -62,11 +64,15 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from cp_rope.parallel import CPAttentionPlan, context_parallel_attention  # noqa: E402
-from cp_rope.parallel._blocks import get_backend  # noqa: E402
-from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available  # noqa: E402
+from cp_rope.parallel import (
+    CPAttentionPlan,
+    PerDocumentPlan,
+    context_parallel_attention,
+    per_document_attention,
+    place_documents,
+)
+from cp_rope.parallel._blocks import get_backend
+from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available
 
 LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random")
 
@@ -79,6 +85,12 @@ def parse_args() -> argparse.Namespace:
                    help="one-GPU backends (default: every one that is installed, and auto)")
     p.add_argument("--simulate-cp", nargs="*", type=int, default=[], metavar="C",
                    help="one GPU: time each rank's share of a cp_size-C ring step (default: none)")
+    p.add_argument("--methods", nargs="+", default=["ring", "allgather", "ulysses", "per_document"],
+                   choices=["ring", "allgather", "ulysses", "per_document"],
+                   help="several-GPU mode: CP methods to time (default: all)")
+    p.add_argument("--split-threshold", type=int, default=16384,
+                   help="several-GPU per_document: documents up to this many tokens stay whole "
+                        "(default 16384)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
@@ -156,6 +168,13 @@ def bench_ours(args, plan, backend, device, seed=0):
     run = lambda: context_parallel_attention(q, k, v, plan.cu_seqlens, plan.max_seqlen,
                                              group=plan.group, method=plan.method,
                                              backend=backend, plan=plan)
+    return measure(args, run, (q, k, v), dout)
+
+
+def bench_per_document(args, plan, device, seed=0):
+    """(fwd, fwd+bwd, peak) of per_document_attention with a prebuilt PerDocumentPlan."""
+    q, k, v, dout = make_qkv(args, plan.n_tokens, device, seed)
+    run = lambda: per_document_attention(q, k, v, plan=plan, group=plan.group)
     return measure(args, run, (q, k, v), dout)
 
 
@@ -258,10 +277,23 @@ def run_several_gpus(args, rank, world, device):
                          f"{type(exc).__name__}: {str(exc)[:100]}"))
         torch.cuda.empty_cache()
 
-    for layout in ("1x131072", "64x2048"):
+    for layout in args.layouts:
         lengths = layout_lengths(layout)
-        for method in ("ring", "allgather"):
-            for backend in ("auto", "torch_flash"):
+        if any(n % (2 * world) for n in lengths):
+            continue
+        for method in args.methods:
+            if method == "per_document":
+                placement = place_documents(
+                    torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
+                                 dtype=torch.int32), world, args.split_threshold)
+                plan = PerDocumentPlan.build(placement, q_heads=args.heads, kv_heads=args.kv_heads,
+                                             head_dim=args.head_dim, dtype=torch.bfloat16,
+                                             device=device, group=dist.group.WORLD)
+                record(layout, f"cp_rope per_document (split > {args.split_threshold})", "auto",
+                       lambda plan=plan: bench_per_document(args, plan, device, seed=rank))
+                continue
+            for backend in (("auto", "torch_flash") if layout == "1x131072" and method == "ring"
+                            else ("auto",)):
                 plan = plan_for(args, lengths, device, cp_size=world, group=dist.group.WORLD,
                                 method=method)
                 record(layout, f"cp_rope {method}", backend,
@@ -295,8 +327,8 @@ def bench_torch_cp(args, cp_size, kv_heads, device):
 
 
 def format_report(args, world, rows, sim, elapsed) -> str:
-    cmd = ("PYTHONPATH=. python scripts/bench_cp_attention.py" if world == 1 else
-           f"PYTHONPATH=. torchrun --nproc-per-node {world} scripts/bench_cp_attention.py")
+    cmd = ("python scripts/bench_cp_attention.py" if world == 1 else
+           f"torchrun --nproc-per-node {world} scripts/bench_cp_attention.py")
     if world == 1 and args.simulate_cp:
         cmd += " --simulate-cp " + " ".join(map(str, args.simulate_cp))
     try:
