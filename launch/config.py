@@ -100,7 +100,7 @@ class ParallelConfig:
     cp_placement: Literal["zigzag", "per_document"] = "zigzag"
     """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks) or per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag)."""
     cp_split_threshold: int | None = None
-    """per_document only: longest document kept whole on one rank, in tokens; None = the placement's default."""
+    """per_document only: longest document kept whole on one rank, in tokens (padded length); None = cp_rope.parallel.default_split_threshold(head_dim, cp_size) = 2 x cp_size x max(512, 65536 // head_dim), e.g. 2048 at head_dim 128 and cp_size 2."""
     attn_backend: Literal["auto", "flash_attn", "torch_cudnn", "torch_flash", "reference"] = "auto"
     """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
@@ -363,7 +363,6 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
 
 
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {
-    "parallel.cp_placement": ("per_document",),
 }
 """Choices the config declares but the trainer does not run yet (their flags exist so that
 scripts and docs can name them). Wiring one in means deleting it here, and only here."""

@@ -38,13 +38,18 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from cp_rope.parallel import PackingCollator, SpanDataset, TokenBudgetBatchSampler
+from cp_rope.parallel import (
+    PackingCollator,
+    SpanDataset,
+    TokenBudgetBatchSampler,
+    default_split_threshold,
+)
 
-from .config import ConfigError, DataConfig
+from .config import ConfigError, DataConfig, ModelConfig, ParallelConfig
 
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "Corpus", "load_tokenizer", "load_corpus", "stdlib_files",
-    "TokenDataset", "build_loader",
+    "TokenDataset", "build_loader", "placement_args",
 ]
 
 
@@ -303,8 +308,19 @@ class TokenDataset(Dataset):
                 "span": (0, self.seq_len)}
 
 
+def placement_args(parallel: ParallelConfig, model: ModelConfig) -> dict:
+    """``build_loader``'s ``placement`` / ``split_threshold`` for a run: ``--cp-placement``,
+    and for ``per_document`` ``--cp-split-threshold`` or, unset,
+    :func:`cp_rope.parallel.default_split_threshold` of the model's head_dim and cp_size."""
+    threshold = parallel.cp_split_threshold
+    if parallel.cp_placement == "per_document" and threshold is None:
+        threshold = default_split_threshold(model.dim // model.n_heads, parallel.cp_size)
+    return {"placement": parallel.cp_placement, "split_threshold": threshold}
+
+
 def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_rank: int,
                  dp_size: int, dp_rank: int, seed: int, pin_memory: bool = False,
+                 placement: str = "zigzag", split_threshold: int | None = None,
                  ) -> tuple[DataLoader, TokenBudgetBatchSampler]:
     """DataLoader of this rank's :class:`~cp_rope.parallel.PackedBatch` shards.
 
@@ -314,13 +330,18 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_ran
     different batches. Documents longer than ``seq_len`` are cut into
     ``seq_len``-token sequences by the collator.
 
+    ``placement`` / ``split_threshold``: as :class:`~cp_rope.parallel.PackingCollator`
+    (``"per_document"``: documents of at most ``split_threshold`` tokens stay whole
+    on one rank).
+
     Returns: ``(loader, sampler)``; the sampler carries the resumable data position.
     """
     sampler = TokenBudgetBatchSampler(dataset.lengths(), cfg.tokens_per_batch, cp_size=cp_size,
                                       seed=seed, dp_size=dp_size, dp_rank=dp_rank)
     collate = PackingCollator(cp_size=cp_size, cp_rank=cp_rank, pad_id=dataset.corpus.pad_id,
                               max_tokens=cfg.tokens_per_batch, max_seqlen=cfg.seq_len,
-                              vocab_size=dataset.corpus.vocab_size)
+                              vocab_size=dataset.corpus.vocab_size, placement=placement,
+                              split_threshold=split_threshold)
     loader = DataLoader(SpanDataset(dataset), batch_sampler=sampler, collate_fn=collate,
                         num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=cfg.num_workers > 0)

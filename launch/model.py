@@ -19,8 +19,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from cp_rope import RotaryEmbedding
-from cp_rope.parallel import CPAttentionPlan, context_parallel_attention
+from cp_rope import RotaryEmbedding, apply_rotary_emb_qk
+from cp_rope.parallel import (
+    CPAttentionPlan,
+    PerDocumentPlan,
+    context_parallel_attention,
+    per_document_attention,
+)
 
 from .config import ModelConfig
 
@@ -44,6 +49,19 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.n_heads, self.head_dim)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
+        if ctx.placement is not None:  # a per-document shard: RoPE from its positions
+            cos, sin = rope.tables(q.device)
+            q, k = apply_rotary_emb_qk(q, k, cos, sin, ctx.cu_seqlens, position_ids=ctx.position_ids,
+                                       max_position_id=ctx.max_position_id,
+                                       interleaved=rope.interleaved, backend=ctx.rope_backend)
+            if ctx.plan is None:  # once per forward, as below
+                ctx.plan = PerDocumentPlan.build(
+                    ctx.placement, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
+                    dtype=q.dtype, device=q.device, n_tokens=t, group=ctx.cp_group,
+                    method=ctx.cp_method, ulysses_size=ctx.ulysses_size)
+            o = per_document_attention(q, k, v, plan=ctx.plan, method=ctx.cp_method,
+                                       backend=ctx.attn_backend, ulysses_size=ctx.ulysses_size)
+            return self.wo(o.reshape(t, self.n_heads * self.head_dim))
         q, k = rope(q, k, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
                     cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, backend=ctx.rope_backend)
         if ctx.plan is None:  # once per forward (batch); every layer and recompute reuse it
@@ -101,7 +119,8 @@ class _Ctx:
     """Per-forward batch layout and CP settings passed to every block."""
 
     __slots__ = ("cu_seqlens", "max_seqlen", "cp_group", "cp_size", "cp_rank", "cp_method",
-                 "attn_backend", "rope_backend", "ulysses_size", "plan")
+                 "attn_backend", "rope_backend", "ulysses_size", "plan", "placement",
+                 "position_ids", "max_position_id")
 
     def __init__(self, **kw):
         for k, v in kw.items():
@@ -118,10 +137,15 @@ class Transformer(nn.Module):
             :func:`cp_rope.launch.parallelize.parallelize` calls with the mesh's
             ``"cp"`` group); the defaults hold whole sequences in this process.
 
-    ``forward(input_ids, cu_seqlens, max_seqlen) -> logits``:
+    ``forward(input_ids, cu_seqlens, max_seqlen, *, placement=None, position_ids=None)``:
         input_ids: int64 ``[T]`` (this rank's zigzag shard under CP);
         cu_seqlens: int32 ``[B + 1]``, the rank's local cu_seqlens;
         max_seqlen: host int, longest local sequence;
+        placement, position_ids: of a per-document shard (``batch.placement``,
+            ``batch.position_ids``; :mod:`cp_rope.parallel.placement`), both or
+            neither: RoPE takes the positions and attention runs through a
+            :class:`~cp_rope.parallel.PerDocumentPlan` (whole documents locally,
+            split ones over the CP group);
         returns ``[T, vocab_size]`` logits in the compute dtype.
 
     Weights start from :meth:`init_weights` (normal ``init_std``; the output
@@ -177,12 +201,17 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int,
-                ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                placement=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if (placement is None) != (position_ids is None):
+            raise ValueError("placement and position_ids: a per-document shard passes both "
+                             "(batch.placement, batch.position_ids), a zigzag shard neither")
         ctx = _Ctx(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), cp_group=self.cp_group,
                    cp_size=self.cp_size, cp_rank=self.cp_rank, cp_method=self.cp_method,
                    attn_backend=self.attn_backend, rope_backend=self.rope_backend,
-                   ulysses_size=self.ulysses_size, plan=None)
+                   ulysses_size=self.ulysses_size, plan=None, placement=placement,
+                   position_ids=position_ids, max_position_id=None if placement is None
+                   else placement.max_position_id(self.cp_rank))
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)

@@ -60,7 +60,7 @@ from .checkpoint import (
 )
 from .cli import parse_args
 from .config import ConfigError, PretrainConfig, to_dict, validate
-from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size
+from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size, placement_args
 from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params
 from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lambda
@@ -94,7 +94,9 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+    doc = ({} if batch.placement is None  # a per-document shard: its placement and positions
+           else {"placement": batch.placement, "position_ids": batch.position_ids})
+    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **doc)
     loss = cp_cross_entropy(logits, batch.labels, loss_group)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:
@@ -304,7 +306,8 @@ def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
-                                   pin_memory=device.type == "cuda")
+                                   pin_memory=device.type == "cuda",
+                                   **placement_args(cfg.parallel, cfg.model))
     batches = _Batches(loader, sampler)
 
     model = (build or build_model)(cfg, device)

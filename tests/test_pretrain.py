@@ -189,13 +189,14 @@ def test_ulysses_and_hybrid_are_wired():
         assert cfg.parallel.cp_method == argv[1]
 
 
-@pytest.mark.parametrize("argv", [["--cp-placement", "per_document"]])
-def test_declared_methods_not_wired_yet_are_refused(argv):
-    """The flags exist (scripts may name them); the trainer refuses them, naming the field."""
-    field = "parallel.cp_method" if argv[0] == "--cp-method" else "parallel.cp_placement"
-    with pytest.raises(ConfigError, match=rf"{re.escape(field)}='{argv[1]}': not available yet"):
-        main(argv + ["--cp-size", "2"])
-    assert not dist.is_initialized()
+def test_per_document_placement_is_wired():
+    """--cp-placement per_document validates (the run itself: tests/test_placement.py); a
+    threshold without it is refused, naming the field."""
+    for argv in (["--cp-placement", "per_document"],
+                 ["--cp-placement", "per_document", "--cp-split-threshold", "256"]):
+        validate(parse_args(argv + ["--cp-size", "2"]))
+    with pytest.raises(ConfigError, match=r"parallel\.cp_split_threshold=256: is for"):
+        validate(parse_args(["--cp-split-threshold", "256", "--cp-size", "2"]))
 
 
 def test_malformed_flag_value_is_a_usage_error_naming_the_flag(capsys):

@@ -113,7 +113,7 @@ GPU_GRAD_NORM_RTOL = 2e-2
 
 
 def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
-                ac: bool = False, method: str = "ring") -> None:
+                ac: bool = False, method: str = "ring", placement: str = "zigzag") -> None:
     """CPU: fp32 model, plain all-reduce (or FSDP2 fp32), elementwise fp32 tolerances. GPU: the
     production FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16
     tolerances."""
@@ -132,7 +132,9 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
     glob = label_fn(PackingCollator(cp_size=cp)([{"input_ids": x} for x in docs[dp_rank]]))
     if labels == "one" and dp_rank != 0:
         glob = _no_label(glob)  # the one label lives in dp rank 0's batch
-    batch = shard_batch(glob, cp, cp_rank).to(device)
+    # per_document: documents up to 24 tokens (padded) whole on one rank, the others zigzag
+    doc = {} if placement == "zigzag" else {"placement": placement, "split_threshold": 24}
+    batch = shard_batch(glob, cp, cp_rank, **doc).to(device)
     # The production wiring: CP over mesh["cp"], activation checkpointing, FSDP2 or a cast.
     model = _build(device)
     parallelize(model, mesh, PretrainConfig(
@@ -145,7 +147,8 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
 
-    where = f"dp={dp} cp={cp} {method} labels={labels} fsdp={fsdp} ac={ac} rank={dist.get_rank()}"
+    where = (f"dp={dp} cp={cp} {method} {placement} labels={labels} fsdp={fsdp} ac={ac} "
+             f"rank={dist.get_rank()}")
     assert_close(loss.reshape(1), ref_loss.reshape(1), dtype=tol_dtype, name=f"loss [{where}]")
     for name, p in model.named_parameters():
         assert p.grad is not None, f"{name}: no gradient [{where}]"
@@ -169,8 +172,9 @@ def _parity_body(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
     for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing), a method
         method = next((o for o in opts if o in ("allgather", "ulysses", "hybrid")), "ring")
+        placement = "per_document" if "per_document" in opts else "zigzag"
         _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac="ac" in opts,
-                    method=method)
+                    method=method, placement=placement)
 
 
 def test_parity_cp1():
@@ -183,14 +187,19 @@ def test_parity_cp2():
     # checkpointing (the ring's collectives run again in the recomputation).
     run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all"),
                                       (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp"),
-                                      (1, 2, "all", "fsdp", "ac"), (1, 2, "one", "ac")])
+                                      (1, 2, "all", "fsdp", "ac"), (1, 2, "one", "ac"),
+                                      (1, 2, "all", "per_document"),
+                                      (1, 2, "one", "per_document", "fsdp", "ac")])
 
 
 def test_parity_cp4_and_dp2_cp2():
     # then Ulysses (Hq 4 over 4 ranks, kv heads shared by 2) and hybrid (U = 2: 2 x 2 ring)
     run_distributed(_parity_body, 4, [(1, 4, "all"), (1, 4, "one"), (1, 4, "none"),
                                       (2, 2, "all"), (2, 2, "one"), (1, 4, "all", "ulysses"),
-                                      (1, 4, "one", "hybrid"), (1, 4, "all", "hybrid", "ac")])
+                                      (1, 4, "one", "hybrid"), (1, 4, "all", "hybrid", "ac"),
+                                      (1, 4, "all", "per_document"),
+                                      (1, 4, "one", "per_document", "allgather"),
+                                      (2, 2, "all", "per_document")])
 
 
 # ---------------------------------------------------------------- GPU (torchrun)
