@@ -215,3 +215,21 @@ def test_no_import_hook_in_the_package():
     for path in _modules().values():
         text = open(path).read()
         assert "meta_path" not in text and "path_hooks" not in text, path
+
+
+@pytest.mark.parametrize("script", ["scripts/test.sh", ".ci/run"])
+def test_test_scripts_pass_paths_to_pytest_alone(tmp_path, script):
+    """``scripts/test.sh tests/test_x.py -q`` runs that file only: the script adds
+    no ``tests`` path of its own (pytest then ran the whole suite plus the file).
+    The venv's python is a stub that records its arguments, so set-up is a no-op."""
+    log = tmp_path / "calls.txt"
+    stub = tmp_path / "venv" / "bin" / "python"
+    stub.parent.mkdir(parents=True)
+    stub.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')
+    stub.chmod(0o755)
+    env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"))
+    rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py", "-q"],
+                   tmp_path, env)
+    assert rc == 0, out
+    calls = log.read_text().splitlines()
+    assert calls[-1] == "-m pytest tests/test_structure.py -q", calls
