@@ -12,7 +12,6 @@ from __future__ import annotations
 import torch
 
 from ._blocks import NEG_INF, merge_weights
-from ._merge import fused_merge_supported, merge_rows_
 
 __all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads"]
 
@@ -97,9 +96,11 @@ class OutAcc:
             if first:  # rows it leaves out stay (0, -inf)
                 self.out[rows], self.lse[:, rows] = o, lse
                 continue
-            if fused_merge_supported(self.out, self.lse, o, lse):  # CUDA: one fused pass
-                merge_rows_(self.out[rows], self.lse[:, rows], o, lse)
-                continue
+            if self.out.is_cuda:  # one fused Triton pass; Triton is imported on CUDA only
+                from ._merge import fused_merge_supported, merge_rows_
+                if fused_merge_supported(self.out, self.lse, o, lse):
+                    merge_rows_(self.out[rows], self.lse[:, rows], o, lse)
+                    continue
             # weights on [H, n]; then per 8192-row slice three output-sized passes
             # (o * w2 in fp32, + out * w1, copy back rounded once) instead of merge_partials'
             # exact-case passes, which only padding rows (overwritten at the end) would need

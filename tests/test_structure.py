@@ -233,3 +233,25 @@ def test_test_scripts_pass_paths_to_pytest_alone(tmp_path, script):
     assert rc == 0, out
     calls = log.read_text().splitlines()
     assert calls[-1] == "-m pytest tests/test_structure.py -q", calls
+
+
+def test_cpu_use_without_triton(tmp_path):
+    """Triton is a dependency on Linux only (pyproject) and is needed only on CUDA: with
+    ``import triton`` failing, the packages import, ``pretrain --help`` works, and RoPE and
+    CP attention run on CPU (the PyTorch paths)."""
+    code = (
+        "import sys; sys.modules['triton'] = None  # import triton -> ImportError\n"
+        "import torch, cp_rope, cp_rope.parallel, cp_rope.launch.pretrain\n"
+        "from cp_rope.parallel import context_parallel_attention\n"
+        "cu = torch.tensor([0, 3, 8], dtype=torch.int32)\n"
+        "q, k = torch.randn(8, 2, 4), torch.randn(8, 1, 4)\n"
+        "cos, sin = cp_rope.rope_cache(8, 4)\n"
+        "q, k = cp_rope.apply_rotary_emb_qk(q, k, cos, sin, cu)\n"
+        "out = context_parallel_attention(q, k, k, cu, 5, group=None)\n"
+        "assert out.shape == q.shape and out.isfinite().all()\n"
+        "sys.argv = ['pretrain', '--help']\n"
+        "cp_rope.launch.pretrain.main()\n"
+    )
+    rc, out = _run([sys.executable, "-c", code], tmp_path)
+    assert rc == 0, out
+    assert "--cp-size" in out, out
