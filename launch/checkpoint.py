@@ -341,6 +341,12 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     dcp.load(own, checkpoint_id=path)
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     scheduler.load_state_dict(state["train"]["scheduler"])
+    # The optimizer state holds the LR the saved run's schedule set for the next step; a
+    # resume with another schedule (--steps to extend a run, --warmup-steps, --min-lr-ratio)
+    # would take (and log) that step at the old LR. Redo the scheduler's last step with this
+    # run's schedule: the same value when the schedule is unchanged.
+    scheduler.last_epoch -= 1
+    scheduler.step()
     _set_rng_state(own[f"rank{rank}"]["rng"])
     return int(state["train"]["step"]), own[f"rank{rank}"]["sampler"]
 

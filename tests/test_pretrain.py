@@ -358,3 +358,19 @@ def test_torchrun_main_job(tmp_path):
     assert "world 2 = dp 1 x cp 2" in out and re.search(r"done: steps 1\.\.3: loss .* tokens/s", out), out
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3]
+
+
+def test_resume_with_more_steps_follows_the_new_schedule(tmp_path):
+    """Extending a run (--resume --steps 6 after --steps 3): the first resumed step takes
+    the new schedule's LR, not the one the old schedule left in the optimizer state."""
+    main(TINY + ["--steps", "3", "--out-dir", str(tmp_path / "ext")])
+    main(TINY + ["--steps", "6", "--resume", "--out-dir", str(tmp_path / "ext")])
+    main(TINY + ["--steps", "6", "--out-dir", str(tmp_path / "full")])
+
+    def lrs(d):
+        with open(tmp_path / d / "metrics.jsonl") as f:
+            return {r["step"]: r["lr"] for r in map(json.loads, f)}
+
+    ext, full = lrs("ext"), lrs("full")
+    assert sorted(ext) == [1, 2, 3, 4, 5, 6]
+    assert [ext[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)], (ext, full)
