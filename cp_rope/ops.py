@@ -266,16 +266,17 @@ def _check_args(q, k, cos, sin, cu_seqlens, max_seqlen, cp_size, cp_rank, interl
     if (type(cu_seqlens) is torch.Tensor and content_checks_enabled(cu_seqlens)
             and not torch.compiler.is_compiling()):  # traced: the ops check the real tensors
         _check_contents(q.shape[0], cu_seqlens, cp_size, n_positions, position_ids,
-                        start_positions, start_offset, max_position_id)
+                        start_positions, start_offset, max_position_id, max_seqlen)
     return cp_size, cp_rank, start_offset, start_positions
 
 
 def _check_contents(n_tokens, cu_seqlens, cp_size, n_positions, position_ids, start_positions,
-                    start_offset, max_position_id):
+                    start_offset, max_position_id, max_seqlen=None):
     """Value checks that read tensors on the host (CPU inputs, or CP_ROPE_DEBUG=1)."""
     explicit = position_ids is not None or start_positions is not None or start_offset
     # With explicit or offset positions the cache bound is checked below, per row.
     check_cu_seqlens_content(cu_seqlens, n_tokens=n_tokens, cp_size=cp_size,
+                             max_seqlen=max_seqlen,  # a host bound the cache check relied on
                              n_positions=None if explicit else n_positions)
     if not explicit and max_position_id is None:
         return
