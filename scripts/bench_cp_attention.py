@@ -375,6 +375,8 @@ def format_report(args, world, rows, sim, elapsed) -> str:
 
 def main() -> int:
     args = parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("bench_cp_attention.py needs CUDA GPUs (it times the GPU backends)")
     torchrun = "LOCAL_RANK" in os.environ
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))  # the device only
     torch.cuda.set_device(local_rank)

@@ -41,6 +41,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="folder for sweep_rope.json (default: print only)")
     p.add_argument("--tokens", type=int, default=65536, help="local tokens T (default 65536)")
     args = p.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("sweep_rope.py needs a CUDA GPU (it times the Triton kernel)")
     dev = torch.device("cuda")
     T, D = args.tokens, 128
     cos, sin = rope_cache(T, D, device=dev)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -255,3 +256,22 @@ def test_cpu_use_without_triton(tmp_path):
     rc, out = _run([sys.executable, "-c", code], tmp_path)
     assert rc == 0, out
     assert "--cp-size" in out, out
+
+
+def test_gpu_scripts_say_they_need_a_gpu(tmp_path):
+    """The GPU benchmark scripts stop with a sentence, not a CUDA traceback, without a GPU."""
+    scripts = ["bench_rope.py", "bench_cp_attention.py", "sweep_rope.py"]
+    code = (
+        "import runpy, sys\n"
+        f"for name in {scripts!r}:\n"
+        "    sys.argv = [name]\n"
+        "    try:\n"
+        f"        runpy.run_path({os.path.join(REPO, 'scripts')!r} + '/' + name, run_name='__main__')\n"
+        "    except SystemExit as e:\n"
+        "        print(name, '->', e.code)\n"
+    )
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    rc, out = _run([sys.executable, "-c", code], tmp_path, env)
+    assert rc == 0, out
+    for name in scripts:
+        assert re.search(rf"^{re.escape(name)} -> .*needs (a )?CUDA GPU", out, re.M), out
