@@ -9,6 +9,7 @@ attention of the whole batch (float32: they agree to rounding, ~1e-6).
 """
 
 import datetime
+import os
 
 import torch
 import torch.distributed as dist
@@ -16,6 +17,8 @@ import torch.distributed as dist
 import cp_rope
 from cp_rope.parallel import PackingCollator, context_parallel_attention, unshard
 
+if "RANK" not in os.environ:
+    raise SystemExit("run it under torchrun: torchrun --standalone --nproc-per-node 2 scripts/demo_cp.py")
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 C, r = dist.get_world_size(), dist.get_rank()
 torch.manual_seed(0)  # the same documents and weights on every rank

@@ -275,3 +275,9 @@ def test_gpu_scripts_say_they_need_a_gpu(tmp_path):
     assert rc == 0, out
     for name in scripts:
         assert re.search(rf"^{re.escape(name)} -> .*needs (a )?CUDA GPU", out, re.M), out
+
+
+def test_demo_outside_torchrun_says_how_to_run_it(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    rc, out = _run([sys.executable, os.path.join(REPO, "scripts", "demo_cp.py")], tmp_path, env)
+    assert rc == 1 and "torchrun --standalone --nproc-per-node 2 scripts/demo_cp.py" in out, out
