@@ -444,6 +444,9 @@ def summarize(tr: Trainer) -> dict:
                      f"({'1 step, set-up included; ' if only_first else ''}"
                      f"{tokens_per_s / tr.dims.world_size:,.0f} per rank), peak mem "
                      f"{peak_memory_gib(tr.device):.2f} GiB")
+    elif not tr.interrupted and start >= cfg.train.steps:
+        tr.log.write(f"done: nothing to train: resumed at step {start}, train.steps={cfg.train.steps} "
+                     f"(pass a larger --steps to continue)")
     tr.log.close()
     return summary
 

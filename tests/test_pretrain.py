@@ -360,9 +360,10 @@ def test_torchrun_main_job(tmp_path):
     assert steps == [1, 2, 3]
 
 
-def test_resume_with_more_steps_follows_the_new_schedule(tmp_path):
+def test_resume_with_more_steps_follows_the_new_schedule(tmp_path, capsys):
     """Extending a run (--resume --steps 6 after --steps 3): the first resumed step takes
-    the new schedule's LR, not the one the old schedule left in the optimizer state."""
+    the new schedule's LR, not the one the old schedule left in the optimizer state. A
+    resume with --steps at or below the checkpoint's step says there is nothing to train."""
     main(TINY + ["--steps", "3", "--out-dir", str(tmp_path / "ext")])
     main(TINY + ["--steps", "6", "--resume", "--out-dir", str(tmp_path / "ext")])
     main(TINY + ["--steps", "6", "--out-dir", str(tmp_path / "full")])
@@ -374,3 +375,7 @@ def test_resume_with_more_steps_follows_the_new_schedule(tmp_path):
     ext, full = lrs("ext"), lrs("full")
     assert sorted(ext) == [1, 2, 3, 4, 5, 6]
     assert [ext[s] for s in (4, 5, 6)] == [full[s] for s in (4, 5, 6)], (ext, full)
+    capsys.readouterr()
+    done = main(TINY + ["--steps", "5", "--resume", "--out-dir", str(tmp_path / "ext")])
+    assert done["steps_run"] == 0 and done["start_step"] == 6
+    assert "nothing to train: resumed at step 6, train.steps=5" in capsys.readouterr().out
