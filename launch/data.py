@@ -76,7 +76,8 @@ class HFTokenizer:
     rejected, since documents must be separable. PAD falls back to EOS (padding
     rows have no label, so its id never matters for the loss).
 
-    Raises: ConfigError if ``tokenizers`` is missing or the file has no EOS token.
+    Raises: ConfigError if ``tokenizers`` is missing, the file is not a tokenizer.json
+    it reads, or it has no EOS token.
     """
 
     _BOS = ("<|begin_of_text|>", "<s>", "<|startoftext|>", "<bos>", "[CLS]")
@@ -89,7 +90,11 @@ class HFTokenizer:
             raise ConfigError(f"data.tokenizer={path!r}: needs the `tokenizers` package "
                               "(pip install tokenizers); or drop --tokenizer for byte-level "
                               "tokens") from None
-        self._tok = Tokenizer.from_file(path)
+        try:
+            self._tok = Tokenizer.from_file(path)
+        except Exception as exc:  # tokenizers raises plain Exception ("Model missing. at line 1 ...")
+            raise ConfigError(f"data.tokenizer={path!r}: not a tokenizers tokenizer.json: "
+                              f"{exc}") from exc
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         find = lambda names: next((i for n in names if (i := self._tok.token_to_id(n)) is not None), None)
         self.eos_id = find(self._EOS)

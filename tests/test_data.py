@@ -151,3 +151,12 @@ def test_seq_len_longer_than_corpus():
 
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
+
+
+@pytest.mark.parametrize("text", ["{}", "not json"])
+def test_hf_tokenizer_unreadable_file_names_the_field(tmp_path, text):
+    pytest.importorskip("tokenizers")
+    path = tmp_path / "tokenizer.json"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=r"data\.tokenizer=.*not a tokenizers tokenizer\.json"):
+        load_tokenizer(DataConfig(tokenizer=str(path)))
