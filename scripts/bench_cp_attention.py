@@ -18,13 +18,23 @@ that runs the layout (``cudnn``, ``flash_attn`` if installed, ``torch_flash``,
 (``F.scaled_dot_product_attention`` under the cuDNN backend, ``enable_gqa``) on
 ``[B, Hq, S, D]`` for the layouts of equal-length documents.
 
+``stdlib``: documents with the lengths of the Python standard library's ``*.py``
+files (what ``cp_rope.launch.pretrain`` trains on by default: bytes + 2), shuffled
+(seed 0), capped at 32768, rounded up to multiples of 128, the last one cut so that
+they fill 131072 tokens (the machine's Python decides the files).
+
 ``--simulate-cp C [C ...]``: on the one GPU, run each rank's share of a
 cp_size-C ring step in turn -- the rank's own plan
 (:meth:`CPAttentionPlan.simulated`: the same blocks and kernels, loopback
 exchanges instead of communication) on its ``T / C`` local rows -- and report
 the slowest rank's compute time and the compute-only scaling bound
 ``t(cp=1) / (C * max_rank_time)``: what the multi-GPU ring reaches when its
-communication is hidden behind compute.
+communication is hidden behind compute. ``--placement zigzag per_document``
+simulates each document placement; per_document
+(:func:`cp_rope.parallel.place_documents` with ``--split-threshold``): each
+rank runs :meth:`PerDocumentPlan.simulated` through
+:func:`~cp_rope.parallel.per_document_attention` (its whole documents, and its
+share of the split ones with loopback exchanges).
 
 **Several GPUs** (``torchrun --nproc-per-node W``, W > 1): every layout of
 ``--layouts`` whose lengths divide by 2W, at cp_size W on all ranks, methods of
@@ -68,13 +78,14 @@ from cp_rope.parallel import (
     CPAttentionPlan,
     PerDocumentPlan,
     context_parallel_attention,
+    default_split_threshold,
     per_document_attention,
     place_documents,
 )
 from cp_rope.parallel._blocks import get_backend
 from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available
 
-LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random")
+LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random", "stdlib")
 
 
 def parse_args() -> argparse.Namespace:
@@ -85,12 +96,14 @@ def parse_args() -> argparse.Namespace:
                    help="one-GPU backends (default: every one that is installed, and auto)")
     p.add_argument("--simulate-cp", nargs="*", type=int, default=[], metavar="C",
                    help="one GPU: time each rank's share of a cp_size-C ring step (default: none)")
+    p.add_argument("--placement", nargs="+", default=["zigzag"], choices=("zigzag", "per_document"),
+                   help="--simulate-cp: document placements to simulate (default: zigzag)")
     p.add_argument("--methods", nargs="+", default=["ring", "allgather", "ulysses", "per_document"],
                    choices=["ring", "allgather", "ulysses", "per_document"],
                    help="several-GPU mode: CP methods to time (default: all)")
-    p.add_argument("--split-threshold", type=int, default=16384,
-                   help="several-GPU per_document: documents up to this many tokens stay whole "
-                        "(default 16384)")
+    p.add_argument("--split-threshold", type=int, default=None,
+                   help="per_document: documents up to this many tokens stay whole (default: "
+                        "default_split_threshold(head_dim, cp_size) = 1024 x cp_size at head_dim 128)")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
@@ -107,6 +120,18 @@ def layout_lengths(name: str) -> list[int]:
     if name == "random":
         rng = random.Random(0)
         return [rng.randrange(2048, 16384 + 1, 128) for _ in range(12)]
+    if name == "stdlib":
+        from cp_rope.launch.data import stdlib_files
+
+        sizes = [min(os.path.getsize(f) + 2, 32768) for f in stdlib_files()]
+        random.Random(0).shuffle(sizes)
+        out = []
+        for n in sizes:  # in order; the last one cut to fill 131072
+            n = min(-(-n // 128) * 128, 131072 - sum(out))
+            if n <= 0:
+                break
+            out.append(n)
+        return out
     if name == "32768+64x1536":
         return [32768] + [1536] * 64
     n, length = name.split("x")
@@ -197,6 +222,14 @@ def bench_dense_cudnn(args, lengths, device):
     return measure(args, run, (q, k, v), dout)
 
 
+def placed(args, lengths, cp_size):
+    """``(place_documents(...), threshold)`` of ``lengths`` at ``cp_size``."""
+    thr = args.split_threshold
+    thr = default_split_threshold(args.head_dim, cp_size) if thr is None else thr
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+    return place_documents(cu, cp_size, thr), thr
+
+
 def plan_for(args, lengths, device, cp_size=1, cp_rank=None, group=None, method="ring"):
     local = [n // cp_size for n in lengths]
     cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
@@ -252,16 +285,31 @@ def run_one_gpu(args, device):
                 sim.append((layout, C, "-", None, None, None, "lengths not divisible by 2C"))
                 continue
             backend = "cudnn" if "cudnn" in best else "torch_flash"
-            times = []
-            for r in range(C):
-                plan_r = plan_for(args, lengths, device, cp_size=C, cp_rank=r)
-                times.append(bench_ours(args, plan_r, backend, device, seed=r)[:2])
-                torch.cuda.empty_cache()
-            slow_f = max(t[0] for t in times)
-            slow_fb = max(t[1] for t in times)
-            fast_fb = min(t[1] for t in times)
-            sim.append((layout, C, backend, slow_f, slow_fb, best.get(backend) / (C * slow_fb),
-                        f"fastest rank {fast_fb:.2f} ms"))
+            for placement in args.placement:
+                times, note = [], "zigzag"
+                if placement == "per_document":
+                    doc, thr = placed(args, lengths, C)
+                    work = [doc.work(r) for r in range(C)]
+                    note = (f"per_document (split > {thr}: {doc.num_split}/{len(lengths)}; work "
+                            f"max/mean {max(work) * C / max(sum(work), 1):.3f}, {doc.n_rows} rows)")
+                for r in range(C):
+                    if placement == "zigzag":
+                        plan_r = plan_for(args, lengths, device, cp_size=C, cp_rank=r)
+                        times.append(bench_ours(args, plan_r, backend, device, seed=r)[:2])
+                    else:
+                        plan_r = PerDocumentPlan.simulated(
+                            doc, r, q_heads=args.heads, kv_heads=args.kv_heads,
+                            head_dim=args.head_dim, dtype=torch.bfloat16, device=device)
+                        q, k, v, dout = make_qkv(args, plan_r.n_tokens, device, seed=r)
+                        run = lambda p=plan_r, q=q, k=k, v=v, be=backend: per_document_attention(
+                            q, k, v, plan=p, backend=be)
+                        times.append(measure(args, run, (q, k, v), dout)[:2])
+                    torch.cuda.empty_cache()
+                slow_f = max(t[0] for t in times)
+                slow_fb = max(t[1] for t in times)
+                fast_fb = min(t[1] for t in times)
+                sim.append((layout, C, backend, slow_f, slow_fb, best.get(backend) / (C * slow_fb),
+                            f"{note}; fastest rank {fast_fb:.2f} ms"))
     return rows, sim
 
 
@@ -283,13 +331,11 @@ def run_several_gpus(args, rank, world, device):
             continue
         for method in args.methods:
             if method == "per_document":
-                placement = place_documents(
-                    torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()],
-                                 dtype=torch.int32), world, args.split_threshold)
+                placement, thr = placed(args, lengths, world)
                 plan = PerDocumentPlan.build(placement, q_heads=args.heads, kv_heads=args.kv_heads,
                                              head_dim=args.head_dim, dtype=torch.bfloat16,
                                              device=device, group=dist.group.WORLD)
-                record(layout, f"cp_rope per_document (split > {args.split_threshold})", "auto",
+                record(layout, f"cp_rope per_document (split > {thr})", "auto",
                        lambda plan=plan: bench_per_document(args, plan, device, seed=rank))
                 continue
             for backend in (("auto", "torch_flash") if layout == "1x131072" and method == "ring"
@@ -331,6 +377,9 @@ def format_report(args, world, rows, sim, elapsed) -> str:
            f"torchrun --nproc-per-node {world} scripts/bench_cp_attention.py")
     if world == 1 and args.simulate_cp:
         cmd += " --simulate-cp " + " ".join(map(str, args.simulate_cp))
+        cmd += " --placement " + " ".join(args.placement)
+    if args.split_threshold is not None:
+        cmd += f" --split-threshold {args.split_threshold}"
     try:
         import cudnn
         fe = f"cudnn-frontend {cudnn.__version__}"
