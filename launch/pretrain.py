@@ -94,9 +94,7 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    doc = ({} if batch.placement is None  # a per-document shard: its placement and positions
-           else {"placement": batch.placement, "position_ids": batch.position_ids})
-    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **doc)
+    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **batch.placement_kwargs())
     loss = cp_cross_entropy(logits, batch.labels, loss_group)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:

@@ -103,3 +103,10 @@ class PackedBatch:
     def pin_memory(self) -> PackedBatch:
         """A copy in page-locked host memory (what ``DataLoader(pin_memory=True)`` calls)."""
         return self._map(lambda t: t.pin_memory())
+
+    def placement_kwargs(self) -> dict:
+        """``{}``, or for a per-document shard ``{"placement": ..., "position_ids": ...}``: the
+        keywords ``cp_rope.launch.model.Transformer.forward`` takes for such a shard."""
+        if self.placement is None:
+            return {}
+        return {"placement": self.placement, "position_ids": self.position_ids}
