@@ -101,9 +101,10 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--methods", nargs="+", default=["ring", "allgather", "ulysses", "per_document"],
                    choices=["ring", "allgather", "ulysses", "per_document"],
                    help="several-GPU mode: CP methods to time (default: all)")
-    p.add_argument("--split-threshold", type=int, default=None,
-                   help="per_document: documents up to this many tokens stay whole (default: "
-                        "default_split_threshold(head_dim, cp_size) = 1024 x cp_size at head_dim 128)")
+    p.add_argument("--split-threshold", type=int, default=16384,
+                   help="per_document: documents up to this many tokens stay whole (default "
+                        "16384, as measured in docs/benchmarks.md; 0: the library default "
+                        "default_split_threshold(head_dim, cp_size))")
     p.add_argument("--heads", type=int, default=32, help="query heads (default 32)")
     p.add_argument("--kv-heads", type=int, default=8, help="key/value heads (default 8)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim (default 128)")
@@ -224,8 +225,7 @@ def bench_dense_cudnn(args, lengths, device):
 
 def placed(args, lengths, cp_size):
     """``(place_documents(...), threshold)`` of ``lengths`` at ``cp_size``."""
-    thr = args.split_threshold
-    thr = default_split_threshold(args.head_dim, cp_size) if thr is None else thr
+    thr = args.split_threshold or default_split_threshold(args.head_dim, cp_size)
     cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
     return place_documents(cu, cp_size, thr), thr
 
@@ -378,7 +378,7 @@ def format_report(args, world, rows, sim, elapsed) -> str:
     if world == 1 and args.simulate_cp:
         cmd += " --simulate-cp " + " ".join(map(str, args.simulate_cp))
         cmd += " --placement " + " ".join(args.placement)
-    if args.split_threshold is not None:
+    if args.split_threshold != 16384:
         cmd += f" --split-threshold {args.split_threshold}"
     try:
         import cudnn
