@@ -22,7 +22,7 @@ from cp_rope.validation import check_cu_seqlens
 
 from .attention import context_parallel_attention
 from .placement import DocumentPlacement
-from .plan import CPAttentionPlan
+from .plan import CPAttentionPlan, _check_across_ranks
 
 __all__ = ["PerDocumentPlan", "per_document_attention"]
 
@@ -69,6 +69,13 @@ class PerDocumentPlan:
             return CPAttentionPlan.build(cu, max_seqlen, group=group, ulysses_size=ulysses_size,
                                          **kw)
 
+        if group is not None:  # a rank whose arguments fail must not leave the others waiting
+            error = None
+            try:
+                _check_local(placement, size, rank, n_tokens, seq_lens)
+            except (TypeError, ValueError) as exc:
+                error = exc
+            _check_across_ranks(group, {"error": None if error is None else str(error)}, error)
         return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device, n_tokens=n_tokens,
                              causal=causal, method=method, seq_lens=seq_lens)
@@ -96,21 +103,8 @@ class PerDocumentPlan:
     @classmethod
     def _assemble(cls, placement, size, rank, split_plan, *, q_heads, kv_heads, head_dim, dtype,
                   device, n_tokens=None, causal=True, method="ring", seq_lens=None):
-        if not isinstance(placement, DocumentPlacement):
-            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
-        if size != placement.cp_size:
-            raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
-                             f"{size} rank(s)")
-        cu = placement.local_cu_seqlens(rank)
+        cu, n_tokens = _check_local(placement, size, rank, n_tokens, seq_lens)
         ns, rows = placement.num_split, placement.split_rows
-        n_tokens = placement.n_rows if n_tokens is None else n_tokens
-        if n_tokens < int(cu[-1]):
-            raise ValueError(f"n_tokens={n_tokens} is below rank {rank}'s {int(cu[-1])} rows "
-                             "under placement")
-        if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor)
-                                     or tuple(seq_lens.shape) != (cu.numel() - 1,)):
-            raise ValueError(f"seq_lens: with placement, the true lengths of the {cu.numel() - 1} "
-                             f"local sequences [B_r], got {getattr(seq_lens, 'shape', seq_lens)}")
         kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
                   causal=causal)
         self = object.__new__(cls)
@@ -128,6 +122,25 @@ class PerDocumentPlan:
         return (f"PerDocumentPlan(cp={self.cp_rank}/{self.placement.cp_size}, "
                 f"split_rows={self.split_rows}, n_tokens={self.n_tokens}, split={self.split}, "
                 f"whole={self.whole})")
+
+
+def _check_local(placement, size, rank, n_tokens, seq_lens):
+    """This rank's checks of a plan's arguments: (local cu_seqlens, n_tokens) or raise."""
+    if not isinstance(placement, DocumentPlacement):
+        raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+    if size != placement.cp_size:
+        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
+                         f"{size} rank(s)")
+    cu = placement.local_cu_seqlens(rank)
+    n_tokens = placement.n_rows if n_tokens is None else n_tokens
+    if n_tokens < int(cu[-1]):
+        raise ValueError(f"n_tokens={n_tokens} is below rank {rank}'s {int(cu[-1])} rows "
+                         "under placement")
+    if seq_lens is not None and (not isinstance(seq_lens, torch.Tensor)
+                                 or tuple(seq_lens.shape) != (cu.numel() - 1,)):
+        raise ValueError(f"seq_lens: with placement, the true lengths of the {cu.numel() - 1} "
+                         f"local sequences [B_r], got {getattr(seq_lens, 'shape', seq_lens)}")
+    return cu, n_tokens
 
 
 def per_document_attention(

@@ -429,3 +429,20 @@ def test_pretrain_cli_runs_per_document(tmp_path):
     collator -> model -> loss) at cp 2: three steps whose losses equal the zigzag run's
     (gradient parity: tests/test_pretrain_parity.py)."""
     run_distributed(_pretrain_body, 2, str(tmp_path), timeout_s=300)
+
+
+def _one_rank_fails_body(rank, world):
+    # rank 0 passes too few rows for its shard, rank 1 the right count: both must raise
+    # (rank 1 must not go on into the split documents' plan exchange and wait there).
+    from cp_rope.parallel import PerDocumentPlan
+
+    cu = torch.tensor([0, 8, 16, 24, 64], dtype=torch.int32)  # three whole, one split
+    placement = place_documents(cu, world, split_threshold=8)
+    n_tokens = placement.n_rows - 1 if rank == 0 else placement.n_rows
+    with pytest.raises((ValueError, RuntimeError), match=r"n_tokens"):
+        PerDocumentPlan.build(placement, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float64,
+                              device="cpu", n_tokens=n_tokens, group=dist.group.WORLD)
+
+
+def test_plan_arguments_failing_on_one_rank_raise_on_every_rank():
+    run_distributed(_one_rank_fails_body, 2, timeout_s=60)
