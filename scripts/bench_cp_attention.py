@@ -29,7 +29,12 @@ cp_size-C ring step in turn -- the rank's own plan
 exchanges instead of communication) on its ``T / C`` local rows -- and report
 the slowest rank's compute time and the compute-only scaling bound
 ``t(cp=1) / (C * max_rank_time)``: what the multi-GPU ring reaches when its
-communication is hidden behind compute. ``--placement zigzag per_document``
+communication is hidden behind compute. ``--simulate-methods`` picks the CP
+methods of the zigzag placement (default ring; ulysses, hybrid with all-to-all
+groups of ``--ulysses-size`` ranks, allgather); each row's note gives the MiB one
+rank sends per layer, forward + backward, bf16
+(:func:`cp_rope.parallel.ulysses.comm_volume`) and the part that overlaps compute
+(the ring's; Ulysses' all-to-alls do not). ``--placement zigzag per_document``
 simulates each document placement; per_document
 (:func:`cp_rope.parallel.place_documents` with ``--split-threshold``): each
 rank runs :meth:`PerDocumentPlan.simulated` through
@@ -38,8 +43,9 @@ share of the split ones with loopback exchanges).
 
 **Several GPUs** (``torchrun --nproc-per-node W``, W > 1): every layout of
 ``--layouts`` whose lengths divide by 2W, at cp_size W on all ranks, methods of
-``--methods`` (ring, allgather, ulysses: backend auto; ring on one sequence also
-torch_flash; per_document: documents up to ``--split-threshold`` tokens whole on
+``--methods`` (ring, allgather, ulysses, hybrid with ``--ulysses-size`` ranks per
+all-to-all group when ``1 < U < W``: backend auto, the MiB each rank sends per layer
+in the note; ring on one sequence also torch_flash; per_document: documents up to ``--split-threshold`` tokens whole on
 one rank, the rest ring-split), and PyTorch's
 ``torch.distributed.tensor.experimental.context_parallel`` around SDPA on the
 one sequence (MHA and GQA) unless ``--skip-torch-cp``.
@@ -84,6 +90,7 @@ from cp_rope.parallel import (
 )
 from cp_rope.parallel._blocks import get_backend
 from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available
+from cp_rope.parallel.ulysses import comm_volume
 
 LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random", "stdlib")
 
@@ -98,9 +105,16 @@ def parse_args() -> argparse.Namespace:
                    help="one GPU: time each rank's share of a cp_size-C ring step (default: none)")
     p.add_argument("--placement", nargs="+", default=["zigzag"], choices=("zigzag", "per_document"),
                    help="--simulate-cp: document placements to simulate (default: zigzag)")
-    p.add_argument("--methods", nargs="+", default=["ring", "allgather", "ulysses", "per_document"],
-                   choices=["ring", "allgather", "ulysses", "per_document"],
+    p.add_argument("--simulate-methods", nargs="+", default=["ring"],
+                   choices=["ring", "allgather", "ulysses", "hybrid"],
+                   help="--simulate-cp, zigzag placement: CP methods to simulate (default: ring)")
+    p.add_argument("--methods", nargs="+",
+                   default=["ring", "allgather", "ulysses", "hybrid", "per_document"],
+                   choices=["ring", "allgather", "ulysses", "hybrid", "per_document"],
                    help="several-GPU mode: CP methods to time (default: all)")
+    p.add_argument("--ulysses-size", type=int, default=2,
+                   help="hybrid: ranks per all-to-all group; runs when 1 < U < cp_size and U "
+                        "divides it (default 2)")
     p.add_argument("--split-threshold", type=int, default=16384,
                    help="per_document: documents up to this many tokens stay whole (default "
                         "16384, as measured in docs/benchmarks.md; 0: the library default "
@@ -230,11 +244,28 @@ def placed(args, lengths, cp_size):
     return place_documents(cu, cp_size, thr), thr
 
 
+def runs_at(args, method, cp_size) -> bool:
+    """hybrid only with all-to-all groups of 1 < U < cp_size ranks (U = cp_size is ulysses)."""
+    u = args.ulysses_size
+    return method != "hybrid" or (1 < u < cp_size and cp_size % u == 0)
+
+
+def method_note(args, lengths, cp_size, method) -> str:
+    """The method (U for hybrid) and the MiB one rank sends per layer, fwd + bwd, bf16."""
+    u = args.ulysses_size if method == "hybrid" else None
+    v = comm_volume(method, n_tokens=sum(lengths) // cp_size, q_heads=args.heads,
+                    kv_heads=args.kv_heads, head_dim=args.head_dim, cp_size=cp_size,
+                    ulysses_size=u)
+    return (f"{method}{f' U={u}' if u else ''}: sends {(v['forward'] + v['backward']) / 2**20:.0f}"
+            f" MiB/layer ({v['overlapped'] / 2**20:.0f} overlapped)")
+
+
 def plan_for(args, lengths, device, cp_size=1, cp_rank=None, group=None, method="ring"):
     local = [n // cp_size for n in lengths]
     cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
     kw = dict(q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
-              dtype=torch.bfloat16, device=device, method=method)
+              dtype=torch.bfloat16, device=device, method=method,
+              ulysses_size=args.ulysses_size if method == "hybrid" else None)
     if cp_rank is not None:  # one rank of a simulated group
         return CPAttentionPlan.simulated(cu, max(local), cp_size=cp_size, cp_rank=cp_rank, **kw)
     return CPAttentionPlan.build(cu, max(local), group=group, **kw)
@@ -285,8 +316,11 @@ def run_one_gpu(args, device):
                 sim.append((layout, C, "-", None, None, None, "lengths not divisible by 2C"))
                 continue
             backend = "cudnn" if "cudnn" in best else "torch_flash"
-            for placement in args.placement:
-                times, note = [], "zigzag"
+            variants = [(pl, m) for pl in args.placement
+                        for m in (args.simulate_methods if pl == "zigzag" else ("ring",))
+                        if runs_at(args, m, C)]
+            for placement, method in variants:
+                times, note = [], f"zigzag {method_note(args, lengths, C, method)}"
                 if placement == "per_document":
                     doc, thr = placed(args, lengths, C)
                     work = [doc.work(r) for r in range(C)]
@@ -294,7 +328,8 @@ def run_one_gpu(args, device):
                             f"max/mean {max(work) * C / max(sum(work), 1):.3f}, {doc.n_rows} rows)")
                 for r in range(C):
                     if placement == "zigzag":
-                        plan_r = plan_for(args, lengths, device, cp_size=C, cp_rank=r)
+                        plan_r = plan_for(args, lengths, device, cp_size=C, cp_rank=r,
+                                          method=method)
                         times.append(bench_ours(args, plan_r, backend, device, seed=r)[:2])
                     else:
                         plan_r = PerDocumentPlan.simulated(
@@ -338,13 +373,18 @@ def run_several_gpus(args, rank, world, device):
                 record(layout, f"cp_rope per_document (split > {thr})", "auto",
                        lambda plan=plan: bench_per_document(args, plan, device, seed=rank))
                 continue
+            if not runs_at(args, method, world):
+                continue
+            impl = f"cp_rope {method}" + (f" U={args.ulysses_size}" if method == "hybrid" else "")
             for backend in (("auto", "torch_flash") if layout == "1x131072" and method == "ring"
                             else ("auto",)):
                 plan = plan_for(args, lengths, device, cp_size=world, group=dist.group.WORLD,
                                 method=method)
-                record(layout, f"cp_rope {method}", backend,
+                record(layout, impl, backend,
                        lambda plan=plan, backend=backend: bench_ours(args, plan, backend, device,
                                                                      seed=rank))
+                mib = method_note(args, lengths, world, method).split(": ", 1)[1]
+                rows[-1] = (*rows[-1][:7], f"{mib}; {rows[-1][7]}" if rows[-1][7] else mib)
     if not args.skip_torch_cp:
         for kv_heads in (args.heads, args.kv_heads):
             name = "torch context_parallel " + ("MHA" if kv_heads == args.heads else "GQA")
@@ -407,9 +447,11 @@ def format_report(args, world, rows, sim, elapsed) -> str:
         lines.append(f"| {lay} | {cp} | {impl} | {backend} | {f:.2f} | {fl / f / 1e9:.0f} | "
                      f"{fb:.2f} | {3.5 * fl / fb / 1e9:.0f} | {peak:.1f} | {note} |")
     if sim:
-        lines += ["", "Simulated CP on one GPU (`--simulate-cp`): each rank's share of a ring "
-                  "step, run in turn with its own plan and loopback exchanges; slowest rank's "
-                  "time; bound = t(cp=1, same backend) / (C * slowest rank's fwd+bwd).", "",
+        lines += ["", "Simulated CP on one GPU (`--simulate-cp`): each rank's share of a "
+                  "cp_size-C step, run in turn with its own plan and loopback exchanges; slowest "
+                  "rank's time; bound = t(cp=1, same backend) / (C * slowest rank's fwd+bwd). "
+                  "MiB sent per rank and layer, fwd+bwd, bf16: comm_volume (checked against the "
+                  "bytes counted on gloo in tests/test_ulysses.py).", "",
                   "| layout | C | backend | slowest rank fwd ms | slowest rank fwd+bwd ms "
                   "| compute-only scaling bound | note |",
                   "| --- | --- | --- | --- | --- | --- | --- |"]
