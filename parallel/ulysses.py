@@ -51,8 +51,11 @@ C = 5), in two exposed all-to-alls; it wins when the ring's
 steps are too short to hide their exchange (many ranks, short shards, many
 documents), on fast all-to-all links (NVLink within a node), and it needs
 ``Hq % C == 0``. Hybrid puts the all-to-all on the fast links inside a node and
-the overlapped ring across nodes, and caps the head-count requirement at U. (No
-multi-GPU measurement here yet: see ``docs/benchmarks.md`` for what was measured.)
+the overlapped ring across nodes, and caps the head-count requirement at U.
+Measured at cp 2 on two H200s (Hq 32 / Hkv 8, ``docs/benchmarks.md``): Ulysses
+474.7 vs ring 466.9 ms fwd+bwd on one 131072-token sequence, 19.5 vs 14.2 ms on 64
+documents of 2048 -- at C = 2 with GQA it sends more than the ring, as the model
+says; hybrid is not timed yet.
 
 Memory: the autograd Function saves the head-sharded q, k, v, out and LSE of the
 gathered rows *instead of* the local ones (the same number of elements: the ring's
