@@ -394,24 +394,39 @@ def unshard_placed(local: torch.Tensor, cu_seqlens: torch.Tensor, placement: Doc
     Returns: ``[placement.cu_seqlens[-1], ...]`` in global order (a new tensor). Not
     differentiable. Collective over ``group`` (a missing rank fails after its timeout).
 
-    Raises: TypeError if ``local`` is not a tensor; ValueError if the group size is not
-    ``placement.cp_size``, ``local`` does not have ``n_rows`` rows, or ``cu_seqlens`` is not
-    this rank's local cu_seqlens.
+    Raises: TypeError if ``local`` is not a tensor or ``placement`` not a DocumentPlacement;
+    ValueError if the group size is not ``placement.cp_size``, ``local`` does not have
+    ``n_rows`` rows, or ``cu_seqlens`` is not this rank's local cu_seqlens. With a group
+    of more than one rank the ranks first exchange a signature (one ``all_gather_object``):
+    a rank's bad input, or placements / trailing shapes / dtypes that differ between
+    ranks, raise on every rank (a ValueError naming the ranks on the others), before
+    any data moves.
     """
-    if not isinstance(local, torch.Tensor):
-        raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
-    check_cu_seqlens(cu_seqlens)
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     rank = dist.get_rank(group) if dist.is_initialized() else 0
-    if size != placement.cp_size:
-        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
-                         f"{size} ranks")
-    if local.shape[0] != placement.n_rows:
-        raise ValueError(f"local: {local.shape[0]} rows, the placement's shards have "
-                         f"{placement.n_rows}")
-    if cu_seqlens.device.type == "cpu" and not torch.equal(
-            cu_seqlens, placement.local_cu_seqlens(rank)):
-        raise ValueError(f"cu_seqlens: not rank {rank}'s local cu_seqlens under placement")
+    err, sig = None, None
+    try:
+        _check_unshard_placed(local, cu_seqlens, placement, size, rank)
+        sig = (placement.cp_size, placement.n_rows, placement.cu_seqlens.tobytes(),
+               placement.owner.tobytes(), tuple(local.shape[1:]), str(local.dtype))
+    except (TypeError, ValueError) as exc:
+        err = exc
+    if size > 1:  # agree before the data moves: a rank that raised alone would hang the rest
+        views: list = [None] * size
+        dist.all_gather_object(views, (None if err is None else str(err), sig), group=group)
+        if err is not None:
+            raise err
+        failed = [r for r, (e, _) in enumerate(views) if e is not None]
+        if failed:
+            raise ValueError(f"unshard: rank {failed[0]} of the group refused its input: "
+                             f"{views[failed[0]][0]}")
+        if any(v[1] != sig for v in views):
+            detail = "; ".join(f"rank {r}: n_rows={v[1][1]}, local.shape[1:]={v[1][4]}, "
+                               f"{v[1][5]}" for r, v in enumerate(views))
+            raise ValueError("unshard: placement (the same batch), local's trailing shape and "
+                             f"dtype must be the same on every rank of the group; {detail}")
+    elif err is not None:
+        raise err
     local = local.contiguous()
     parts = [torch.empty_like(local) for _ in range(size)] if size > 1 else [local]
     if size > 1:
@@ -421,3 +436,23 @@ def unshard_placed(local: torch.Tensor, cu_seqlens: torch.Tensor, placement: Doc
         idx = placement.indices(r).to(out.device)
         out[idx] = part[: idx.numel()]
     return out
+
+
+def _check_unshard_placed(local, cu_seqlens, placement, size: int, rank: int) -> None:
+    """:func:`unshard_placed`'s one-rank checks (raise TypeError / ValueError)."""
+    if not isinstance(local, torch.Tensor):
+        raise TypeError(f"local must be a torch.Tensor, got {type(local).__name__}")
+    if not isinstance(placement, DocumentPlacement):
+        raise TypeError(f"placement must be a DocumentPlacement (batch.placement), got "
+                        f"{type(placement).__name__}; unshard of a zigzag shard takes "
+                        f"placement=None")
+    check_cu_seqlens(cu_seqlens)
+    if size != placement.cp_size:
+        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
+                         f"{size} ranks")
+    if local.shape[0] != placement.n_rows:
+        raise ValueError(f"local: {local.shape[0]} rows, the placement's shards have "
+                         f"{placement.n_rows}")
+    if cu_seqlens.device.type == "cpu" and not torch.equal(
+            cu_seqlens, placement.local_cu_seqlens(rank)):
+        raise ValueError(f"cu_seqlens: not rank {rank}'s local cu_seqlens under placement")

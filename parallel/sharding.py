@@ -190,9 +190,11 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
             *, placement=None) -> torch.Tensor:
     """Gather every rank's zigzag shard back into global order (dim 0).
 
-    For a per-document shard pass its ``placement`` (``batch.placement``): then
-    :func:`cp_rope.parallel.placement.unshard_placed` gathers it (``local`` has
-    ``placement.n_rows`` rows; the result has the global ``cu_seqlens[-1]``).
+    For a per-document shard pass its ``placement`` (``batch.placement``, a
+    :class:`~cp_rope.parallel.DocumentPlacement`, not the string ``shard_batch`` takes):
+    then :func:`cp_rope.parallel.placement.unshard_placed` gathers it (``local`` has
+    ``placement.n_rows`` rows; the result has the global ``cu_seqlens[-1]``; its errors,
+    agreed across the ranks, are listed there).
 
     Args:
         local: ``[T_local, ...]``, this rank's rows (any trailing shape, any

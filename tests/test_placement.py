@@ -442,7 +442,31 @@ def _one_rank_fails_body(rank, world):
     with pytest.raises((ValueError, RuntimeError), match=r"n_tokens"):
         PerDocumentPlan.build(placement, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float64,
                               device="cpu", n_tokens=n_tokens, group=dist.group.WORLD)
+    _unshard_refusals(rank, placement)
+
+
+def _unshard_refusals(rank, placement):
+    """unshard(..., placement=) refuses a string placement on every rank (TypeError naming
+    it), and a bad shard on one rank (or another batch's placement) raises on every rank
+    before the gather, where the others used to wait in the all_gather."""
+    from cp_rope.parallel import unshard
+
+    lcu = placement.local_cu_seqlens(rank)
+    x = torch.randn(placement.n_rows, 3)
+    with pytest.raises(TypeError, match="placement must be a DocumentPlacement"):
+        unshard(x, lcu, placement="per_document")
+    bad = torch.randn(placement.n_rows + 1, 3) if rank == 1 else x
+    with pytest.raises(ValueError, match="local: .* rows" if rank == 1 else "rank 1 .* refused"):
+        unshard(bad, lcu, placement=placement)
+    other = place_documents(torch.tensor([0, 8, 64], dtype=torch.int32), 2, 8)
+    mine = other if rank == 1 else placement
+    with pytest.raises(ValueError, match="the same on every rank"):
+        unshard(torch.randn(mine.n_rows, 3), mine.local_cu_seqlens(rank), placement=mine)
+    got = unshard(x, lcu, placement=placement)  # the group still works, and agrees
+    assert got.shape == (int(placement.cu_seqlens[-1]), 3)
 
 
 def test_plan_arguments_failing_on_one_rank_raise_on_every_rank():
+    """PerDocumentPlan.build and unshard(placement=) with bad input on one rank: every rank
+    raises, none waits in a collective."""
     run_distributed(_one_rank_fails_body, 2, timeout_s=60)
