@@ -28,6 +28,7 @@ _EXPORTS = {
     "shard_tensor": "sharding",
     "shard_batch": "sharding",
     "unshard": "sharding",
+    "local_cu_seqlens": "sharding",
     # per-document placement (short documents whole on one rank)
     "place_documents": "placement",
     "DocumentPlacement": "placement",
@@ -37,6 +38,7 @@ _EXPORTS = {
     # CP attention
     "context_parallel_attention": "attention",
     "CPAttentionPlan": "plan",
+    "comm_volume": "ulysses",
     # loss
     "cp_cross_entropy": "loss",
     # process groups / DeviceMesh

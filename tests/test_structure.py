@@ -281,3 +281,23 @@ def test_demo_outside_torchrun_says_how_to_run_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     rc, out = _run([sys.executable, os.path.join(REPO, "scripts", "demo_cp.py")], tmp_path, env)
     assert rc == 1 and "torchrun --standalone --nproc-per-node 2 scripts/demo_cp.py" in out, out
+
+
+def test_names_of_the_parallel_docs_table_are_importable():
+    """docs/parallel.md: "Every name below is importable from cp_rope.parallel": each
+    backquoted name of its module table that the module defines is exported."""
+    import importlib
+
+    import cp_rope.parallel as par
+
+    with open(os.path.join(REPO, "docs", "parallel.md")) as f:
+        text = f.read()
+    rows = re.findall(r"^\| `(\w+)\.py`[^|]*\| (.*) \|$", text, re.M)
+    assert len(rows) > 10
+    missing = []
+    for module, cell in rows:
+        mod = importlib.import_module(f"cp_rope.parallel.{module}")
+        for name in re.findall(r"`(\w+)`", cell):
+            if hasattr(mod, name) and not name.startswith("_") and name not in par.__all__:
+                missing.append(f"{module}.{name}")
+    assert not missing, f"named in docs/parallel.md's table, not exported: {missing}"
