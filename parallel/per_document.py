@@ -18,11 +18,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_rope.validation import check_cu_seqlens
+from cp_rope.validation import check_choice, check_cu_seqlens
 
 from .attention import context_parallel_attention
 from .placement import DocumentPlacement
-from .plan import CPAttentionPlan, _check_across_ranks
+from .plan import METHODS, CPAttentionPlan, _check_across_ranks
+from .ulysses import check_ulysses_args
 
 __all__ = ["PerDocumentPlan", "per_document_attention"]
 
@@ -58,7 +59,9 @@ class PerDocumentPlan:
 
         Raises: TypeError if ``placement`` is not a DocumentPlacement; ValueError if the
         group size is not ``placement.cp_size`` or ``n_tokens`` is below this rank's rows;
-        as :meth:`CPAttentionPlan.build` otherwise.
+        ValueError for a bad ``method`` / ``ulysses_size`` / head counts
+        (:func:`~cp_rope.parallel.ulysses.check_ulysses_args`) even when the batch has no
+        split document to run them; as :meth:`CPAttentionPlan.build` otherwise.
         """
         if group is not None and dist.get_world_size(group) == 1:
             group = None
@@ -69,13 +72,20 @@ class PerDocumentPlan:
             return CPAttentionPlan.build(cu, max_seqlen, group=group, ulysses_size=ulysses_size,
                                          **kw)
 
+        def check():  # the method too: a batch without split documents never runs it
+            _check_local(placement, size, rank, n_tokens, seq_lens)
+            check_choice("method", method, METHODS)
+            check_ulysses_args(method, ulysses_size, size, q_heads, kv_heads)
+
         if group is not None:  # a rank whose arguments fail must not leave the others waiting
             error = None
             try:
-                _check_local(placement, size, rank, n_tokens, seq_lens)
+                check()
             except (TypeError, ValueError) as exc:
                 error = exc
             _check_across_ranks(group, {"error": None if error is None else str(error)}, error)
+        else:
+            check()
         return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device, n_tokens=n_tokens,
                              causal=causal, method=method, seq_lens=seq_lens)

@@ -443,6 +443,22 @@ def _one_rank_fails_body(rank, world):
         PerDocumentPlan.build(placement, q_heads=2, kv_heads=2, head_dim=8, dtype=torch.float64,
                               device="cpu", n_tokens=n_tokens, group=dist.group.WORLD)
     _unshard_refusals(rank, placement)
+    _method_checked_without_split_documents(world)
+
+
+def _method_checked_without_split_documents(world):
+    """A batch without split documents never runs the CP method, but its plan still checks
+    it (else a bad method / head count passes until a batch with a long document)."""
+    from cp_rope.parallel import PerDocumentPlan
+
+    placement = place_documents(torch.tensor([0, 8, 16], dtype=torch.int32), world, 8)
+    assert placement.num_split == 0
+    kw = dict(head_dim=8, dtype=torch.float64, device="cpu", group=dist.group.WORLD)
+    with pytest.raises(ValueError, match=r"Hq % U = 3 % 2 = 1"):
+        PerDocumentPlan.build(placement, q_heads=3, kv_heads=1, method="ulysses", **kw)
+    with pytest.raises(ValueError, match="method must be one of"):
+        PerDocumentPlan.build(placement, q_heads=2, kv_heads=1, method="zigzag", **kw)
+    PerDocumentPlan.build(placement, q_heads=2, kv_heads=1, method="ulysses", **kw)
 
 
 def _unshard_refusals(rank, placement):
