@@ -96,7 +96,7 @@ class ParallelConfig:
     cp_method: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
     """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences) or hybrid (Ulysses groups of ulysses_size ranks joined by a ring)."""
     ulysses_size: int = 1
-    """hybrid only: ranks per Ulysses all-to-all group; must divide cp_size (1 = the ring, cp_size = Ulysses)."""
+    """hybrid only (and required there): ranks per Ulysses all-to-all group, > 1, dividing cp_size (cp_size = Ulysses; 1, the ring, is refused so that a forgotten flag does not silently run the ring)."""
     cp_placement: Literal["zigzag", "per_document"] = "zigzag"
     """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks) or per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag)."""
     cp_split_threshold: int | None = None
@@ -282,6 +282,10 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(p.cp_size >= 1, "parallel.cp_size", p.cp_size, "must be >= 1")
     _require(p.ulysses_size >= 1, "parallel.ulysses_size", p.ulysses_size, "must be >= 1")
     if p.cp_method == "hybrid":
+        # 1 is the field's default: a forgotten --ulysses-size would silently run the ring
+        _require(p.ulysses_size > 1, "parallel.ulysses_size", p.ulysses_size,
+                 "--cp-method hybrid needs --ulysses-size U > 1, a divisor of cp_size "
+                 "(U = 1 is the ring: use --cp-method ring)")
         _require(p.cp_size % p.ulysses_size == 0, "parallel.ulysses_size", p.ulysses_size,
                  f"must divide parallel.cp_size={p.cp_size} (hybrid: cp_size / ulysses_size rings)")
     else:

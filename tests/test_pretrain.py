@@ -162,6 +162,7 @@ def test_console_log(tmp_path, capsys):
     (["--lr", "-1"], "optim.lr"),
     (["--cp-method", "allgather", "--ulysses-size", "2"], "parallel.ulysses_size"),
     (["--cp-method", "hybrid", "--cp-size", "4", "--ulysses-size", "3"], "parallel.ulysses_size"),
+    (["--cp-method", "hybrid", "--cp-size", "4"], "parallel.ulysses_size=1"),  # flag forgotten
     (["--cp-method", "ulysses", "--cp-size", "8"], "model.n_heads"),  # 4 heads over 8 ranks
     (["--cp-split-threshold", "64"], "parallel.cp_split_threshold"),
     (["--seq-len", "130", "--cp-size", "4"], "data.seq_len"),
