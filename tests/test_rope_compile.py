@@ -59,6 +59,8 @@ def _run(batches, device, backend):
     compiled = torch.compile(_step, fullgraph=True)
     for seed, (n_tokens, n_seqs, max_seqlen, dynamic) in enumerate(batches):
         q, k, wq, wk, cu = _batch(seed, n_tokens, n_seqs, device, dynamic)
+        # max_seqlen is a bound (>= the longest local sequence; a smaller one is refused)
+        max_seqlen = max(max_seqlen, int((cu[1:] - cu[:-1]).max()))
         got = _fwd_bwd(compiled, q, k, wq, wk, cos, sin, cu, max_seqlen, backend)
         want = _fwd_bwd(_step, q, k, wq, wk, cos, sin, cu, max_seqlen, backend)
         for name, g, w in zip(("q", "k", "dq", "dk"), got, want, strict=True):
