@@ -16,11 +16,11 @@ device-to-host sync raises.
 
 * cp_size 1 (one GPU), under pytest::
 
-      PYTHONPATH=. python -m pytest tests/test_attention_gpu.py -m gpu -q
+      python -m pytest tests/test_attention_gpu.py -m gpu -q
 
 * cp_size N over NCCL (one process per GPU)::
 
-      PYTHONPATH=. torchrun --nproc-per-node 2 tests/test_attention_gpu.py
+      torchrun --nproc-per-node 2 tests/test_attention_gpu.py
 
   prints one line per case (PASS/FAIL with the worst error) from rank 0 and
   exits non-zero if any case failed on any rank.
