@@ -75,6 +75,8 @@ from cp_rope.validation import (
     check_int,
 )
 
+from ._agree import agree_across_ranks
+
 __all__ = [
     "PLACEMENTS",
     "DocumentPlacement",
@@ -412,19 +414,11 @@ def unshard_placed(local: torch.Tensor, cu_seqlens: torch.Tensor, placement: Doc
     except (TypeError, ValueError) as exc:
         err = exc
     if size > 1:  # agree before the data moves: a rank that raised alone would hang the rest
-        views: list = [None] * size
-        dist.all_gather_object(views, (None if err is None else str(err), sig), group=group)
-        if err is not None:
-            raise err
-        failed = [r for r, (e, _) in enumerate(views) if e is not None]
-        if failed:
-            raise ValueError(f"unshard: rank {failed[0]} of the group refused its input: "
-                             f"{views[failed[0]][0]}")
-        if any(v[1] != sig for v in views):
-            detail = "; ".join(f"rank {r}: n_rows={v[1][1]}, local.shape[1:]={v[1][4]}, "
-                               f"{v[1][5]}" for r, v in enumerate(views))
-            raise ValueError("unshard: placement (the same batch), local's trailing shape and "
-                             f"dtype must be the same on every rank of the group; {detail}")
+        agree_across_ranks(group, err, sig, what="unshard", describe=lambda sigs: (
+            "placement (the same batch), local's trailing shape and dtype must be the same on "
+            "every rank of the group; " + "; ".join(
+                f"rank {r}: n_rows={v[1]}, local.shape[1:]={v[4]}, {v[5]}"
+                for r, v in enumerate(sigs))))
     elif err is not None:
         raise err
     local = local.contiguous()

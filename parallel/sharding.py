@@ -23,6 +23,7 @@ from cp_rope.validation import (
     check_max_seqlen,
 )
 
+from ._agree import agree_across_ranks
 from .batch import PackedBatch
 from .placement import check_placement, place_documents, shard_placed, unshard_placed
 
@@ -232,19 +233,10 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
         sig = (cu_seqlens.tolist(), tuple(local.shape[1:]), str(local.dtype))
     except (TypeError, ValueError) as exc:
         err = exc
-    views: list = [None] * cp_size
-    dist.all_gather_object(views, (None if err is None else str(err), sig), group=group)
-    if err is not None:
-        raise err
-    failed = [r for r, (e, _) in enumerate(views) if e is not None]
-    if failed:
-        raise ValueError(f"unshard: rank {failed[0]} of the group refused its input: "
-                         f"{views[failed[0]][0]}")
-    if any(v[1] != sig for v in views):
-        detail = "; ".join(f"rank {r}: cu_seqlens={v[1][0]}, local.shape[1:]={v[1][1]}, "
-                           f"{v[1][2]}" for r, v in enumerate(views))
-        raise ValueError(f"unshard: cu_seqlens, local's trailing shape and dtype must be the "
-                         f"same on every rank of the group; {detail}")
+    agree_across_ranks(group, err, sig, what="unshard", describe=lambda sigs: (
+        "cu_seqlens, local's trailing shape and dtype must be the same on every rank of the "
+        "group; " + "; ".join(f"rank {r}: cu_seqlens={v[0]}, local.shape[1:]={v[1]}, {v[2]}"
+                              for r, v in enumerate(sigs))))
     n_local = local.shape[0]
     global_cu = cu_seqlens * cp_size
     dest = torch.cat([cp_shard_indices(global_cu, cp_size, r) for r in range(cp_size)])
