@@ -376,7 +376,21 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
     ``"overlapped"``: bytes that travel while blocks compute (the ring's steps, the
     all-gather's forward gather). At C = 2 the ring's dK/dV travel in the input dtype
     (GPU backends; the reference backend's travel in fp32).
+
+    Raises: ValueError for an unknown ``method``; TypeError / ValueError naming an int
+    argument that is not an int or below its minimum (``n_tokens`` >= 0, the rest >= 1);
+    as :func:`check_ulysses_args` for ``ulysses_size`` and head counts that the method
+    cannot run.
     """
+    if method not in ("ring", "allgather", *A2A_METHODS):
+        raise ValueError(f"method must be one of 'ring', 'allgather', 'ulysses', 'hybrid'; "
+                         f"got {method!r}")
+    n_tokens = check_int("n_tokens", n_tokens, min_value=0)
+    for name, value in (("q_heads", q_heads), ("kv_heads", kv_heads), ("head_dim", head_dim),
+                        ("cp_size", cp_size), ("elem_bytes", elem_bytes),
+                        ("acc_bytes", acc_bytes)):
+        check_int(name, value, min_value=1)
+    check_ulysses_args(method, ulysses_size, cp_size, q_heads, kv_heads)
     C, T, D = cp_size, n_tokens, head_dim
     kv = 2 * T * kv_heads * D
     if C == 1:
@@ -391,8 +405,6 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
         bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * acc_bytes
         return {"forward": fwd, "backward": bwd, "overlapped": fwd}
     U = C if method == "ulysses" else ulysses_size
-    if U is None or C % U:
-        raise ValueError(f"comm_volume: ulysses_size must divide cp_size = {C}, got {U}")
     R = C // U
     # of each all-to-all buffer, (U - 1) / U leaves the rank; kv heads shared by U / Hkv
     # ranks travel once per rank that uses them: max(Hkv, U) kv heads' worth

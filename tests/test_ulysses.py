@@ -99,6 +99,13 @@ def test_comm_volume_model():
     assert comm_volume("hybrid", cp_size=8, ulysses_size=1, **kw) == ring
     mid = comm_volume("hybrid", cp_size=8, ulysses_size=2, **kw)
     assert uly["forward"] < mid["forward"] < ring["forward"]
+    # impossible layouts raise, naming the argument, instead of returning bytes
+    for method, extra, match in (("bogus", dict(cp_size=8), "method must be one of"),
+                                 ("ring", dict(cp_size=0), "cp_size must be >= 1"),
+                                 ("ulysses", dict(cp_size=3), r"Hq % U = 32 % 3"),
+                                 ("hybrid", dict(cp_size=8, ulysses_size=3), "must divide")):
+        with pytest.raises(ValueError, match=match):
+            comm_volume(method, **extra, **kw)
 
 
 # --------------------------------------------------------------------------- multi-rank parity
