@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from cp_rope.validation import check_choice, check_cu_seqlens
+from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 
 from .attention import context_parallel_attention
 from .placement import DocumentPlacement
@@ -197,6 +197,7 @@ def per_document_attention(
     another placement, cu_seqlens / max_seqlen / T that do not match it); as
     :func:`context_parallel_attention` for the rest.
     """
+    check_bool("return_lse", return_lse)  # only read here: the parts always return the LSE
     if plan is None:
         if placement is None:
             raise ValueError("placement: pass the batch's placement (batch.placement) or a plan")

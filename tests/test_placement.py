@@ -277,6 +277,12 @@ def test_bad_arguments():
     p = place_documents(_cu([8]), 2, 4)
     with pytest.raises(ValueError, match="cp_rank"):
         p.indices(2)
+    from cp_rope.parallel import per_document_attention
+
+    x = torch.randn(8, 2, 4)
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        per_document_attention(x, x, x, placement=place_documents(_cu([8]), 1, 8),
+                               backend="reference", return_lse=1)
 
 
 # --------------------------------------------------------------------------- multi-rank
