@@ -374,8 +374,9 @@ def _check_seq_lens(seq_lens, cu_host, causal, cp_size):
     n = cu_host.numel() - 1
     if not isinstance(seq_lens, torch.Tensor) or seq_lens.dtype.is_floating_point \
             or seq_lens.dtype == torch.bool or tuple(seq_lens.shape) != (n,):
-        raise ValueError(f"seq_lens must be an integer tensor [B] = [{n}], "
-                         f"got {getattr(seq_lens, 'shape', seq_lens)}")
+        got = (f"{seq_lens.dtype} of shape {tuple(seq_lens.shape)}"
+               if isinstance(seq_lens, torch.Tensor) else type(seq_lens).__name__)
+        raise ValueError(f"seq_lens must be an integer tensor [B] = [{n}], got {got}")
     host = seq_lens.detach().to("cpu", torch.int64)
     lens = (cu_host[1:] - cu_host[:-1]).to(torch.int64) * cp_size
     if bool(((host < 0) | (host > lens)).any()):

@@ -241,6 +241,8 @@ def test_bad_inputs():
         cpa(q, k, k, cu, 8, causal=False, seq_lens=torch.tensor([9]))
     with pytest.raises(ValueError, match="seq_lens must be an integer tensor"):
         cpa(q, k, k, cu, 8, causal=False, seq_lens=torch.tensor([8, 0]))
+    with pytest.raises(ValueError, match=r"integer tensor \[B\] = \[1\], got torch.float32 of"):
+        cpa(q, k, k, cu, 8, causal=False, seq_lens=torch.tensor([8.0]))  # names the dtype
     with pytest.raises(TypeError, match="dtype|float16"):
         cpa(q.int(), k.int(), k.int(), cu, 8)
 
