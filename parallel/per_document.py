@@ -15,6 +15,8 @@ batch has split documents.
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
 import torch.distributed as dist
 
@@ -62,6 +64,8 @@ class PerDocumentPlan:
         ValueError for a bad ``method`` / ``ulysses_size`` / head counts
         (:func:`~cp_rope.parallel.ulysses.check_ulysses_args`) even when the batch has no
         split document to run them; as :meth:`CPAttentionPlan.build` otherwise.
+        RuntimeError on every rank (group of more than one rank) if one rank's arguments
+        fail or the ranks' placements differ (another batch), before any exchange.
         """
         if group is not None and dist.get_world_size(group) == 1:
             group = None
@@ -83,7 +87,11 @@ class PerDocumentPlan:
                 check()
             except (TypeError, ValueError) as exc:
                 error = exc
-            _check_across_ranks(group, {"error": None if error is None else str(error)}, error)
+            # and on the placement: a rank with split documents builds the split plan (a
+            # collective) while one whose placement has none would not join it
+            same = None if error is not None else _fingerprint(placement)
+            _check_across_ranks(group, {"error": None if error is None else str(error),
+                                        "placement": same}, error)
         else:
             check()
         return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,
@@ -132,6 +140,13 @@ class PerDocumentPlan:
         return (f"PerDocumentPlan(cp={self.cp_rank}/{self.placement.cp_size}, "
                 f"split_rows={self.split_rows}, n_tokens={self.n_tokens}, split={self.split}, "
                 f"whole={self.whole})")
+
+
+def _fingerprint(placement: DocumentPlacement) -> str:
+    """A short digest of a placement (equal on every rank of one batch)."""
+    h = hashlib.sha1(placement.cu_seqlens.tobytes(), usedforsecurity=False)
+    h.update(placement.owner.tobytes())
+    return f"{placement!r} sha1={h.hexdigest()[:10]}"
 
 
 def _check_local(placement, size, rank, n_tokens, seq_lens):

@@ -465,6 +465,12 @@ def _method_checked_without_split_documents(world):
     with pytest.raises(ValueError, match="method must be one of"):
         PerDocumentPlan.build(placement, q_heads=2, kv_heads=1, method="zigzag", **kw)
     PerDocumentPlan.build(placement, q_heads=2, kv_heads=1, method="ulysses", **kw)
+    # ranks with different placements (rank 1 another threshold: no split document there,
+    # so it would skip the split plan's exchange that rank 0 enters): every rank raises
+    mine = place_documents(torch.tensor([0, 8, 64], dtype=torch.int32), world,
+                           8 if dist.get_rank() == 0 else 100)
+    with pytest.raises(RuntimeError, match="differ across the ranks"):
+        PerDocumentPlan.build(mine, q_heads=2, kv_heads=1, **kw)
 
 
 def _unshard_refusals(rank, placement):
