@@ -9,8 +9,10 @@ block backend (a one-rank plan: no communication), then concatenates the two
 results. Both parts are exact, so the result equals single-process attention
 over the global sequences (``tests/test_placement.py``). A
 :class:`PerDocumentPlan` (two :class:`~cp_rope.parallel.CPAttentionPlan`) is
-built once per batch; the collective of a plan build happens only when the
-batch has split documents.
+built once per batch; its build is collective over a group of more than one
+rank (the ranks agree on their arguments and placement; the split part's own
+build too when the batch has split documents); the attention calls then run
+collectives only for the split documents.
 """
 
 from __future__ import annotations
@@ -51,8 +53,9 @@ class PerDocumentPlan:
               group: dist.ProcessGroup | None = None, causal: bool = True, method: str = "ring",
               seq_lens: torch.Tensor | None = None,
               ulysses_size: int | None = None) -> PerDocumentPlan:
-        """Build the plan of this rank's shard; collective over ``group`` (through the split
-        part's :meth:`CPAttentionPlan.build`) only when the batch has split documents.
+        """Build the plan of this rank's shard; collective over ``group`` (more than one rank):
+        one ``all_gather_object`` of the ranks' argument checks and placement digest, and
+        the split part's :meth:`CPAttentionPlan.build` when the batch has split documents.
 
         Args: as :meth:`CPAttentionPlan.build`, with the batch's ``placement`` instead of
         ``cu_seqlens`` / ``max_seqlen``; ``n_tokens`` defaults to ``placement.n_rows``;
