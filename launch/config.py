@@ -376,7 +376,8 @@ def check_available(cfg: PretrainConfig) -> None:
     """Refuse a choice of :data:`NOT_AVAILABLE_YET`.
 
     Raises:
-        ConfigError: ``parallel.cp_method='ulysses': not available yet ...``.
+        ConfigError: ``section.field=value: not available yet ...`` (the table is empty
+            now: every declared choice runs).
     """
     for where, values in NOT_AVAILABLE_YET.items():
         section, name = where.split(".")
