@@ -48,6 +48,7 @@ a device tensor) and, with ``C > 1``, all-gathers the ranks' signatures.
 from __future__ import annotations
 
 import math
+import numbers
 from functools import partial
 from typing import Literal
 
@@ -175,6 +176,10 @@ def context_parallel_attention(
     check_bool("causal", causal)
     check_bool("return_lse", return_lse)
     check_choice("method", method, METHODS)
+    if softmax_scale is not None and (isinstance(softmax_scale, bool)
+                                      or not isinstance(softmax_scale, numbers.Real)):
+        raise TypeError(f"softmax_scale must be a float or None, got "
+                        f"{type(softmax_scale).__name__}")
     if softmax_scale is not None and not 0 < softmax_scale < math.inf:
         raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
     if plan is None:

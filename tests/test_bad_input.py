@@ -164,6 +164,14 @@ def test_softmax_scale_inf():
         context_parallel_attention(q, k, v, cu, 16, softmax_scale=math.inf, backend="reference")
 
 
+def test_softmax_scale_bool():
+    """(Found after issue 15, so not in CATALOGUE: it was silent.) True is a bool, not a scale."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"softmax_scale"):
+        context_parallel_attention(q, k, v, cu, 16, softmax_scale=True, backend="reference")
+
+
 def test_causal_not_a_bool():
     q, k, v = _qkv()
     cu = torch.tensor([0, 16], dtype=torch.int32)
