@@ -237,11 +237,15 @@ def bench_dense_cudnn(args, lengths, device):
     return measure(args, run, (q, k, v), dout)
 
 
+def cu_of(lengths: list[int]) -> torch.Tensor:
+    """int32 host cu_seqlens ``[B + 1]`` of ``lengths``."""
+    return torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
+
+
 def placed(args, lengths, cp_size):
     """``(place_documents(...), threshold)`` of ``lengths`` at ``cp_size``."""
     thr = args.split_threshold or default_split_threshold(args.head_dim, cp_size)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32)
-    return place_documents(cu, cp_size, thr), thr
+    return place_documents(cu_of(lengths), cp_size, thr), thr
 
 
 def runs_at(args, method, cp_size) -> bool:
@@ -262,7 +266,7 @@ def method_note(args, lengths, cp_size, method) -> str:
 
 def plan_for(args, lengths, device, cp_size=1, cp_rank=None, group=None, method="ring"):
     local = [n // cp_size for n in lengths]
-    cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
+    cu = cu_of(local)
     kw = dict(q_heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
               dtype=torch.bfloat16, device=device, method=method,
               ulysses_size=args.ulysses_size if method == "hybrid" else None)
