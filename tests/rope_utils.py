@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from cp_rope import global_positions
+from cp_rope import apply_rotary_emb, global_positions, rope_cache
 
 
 def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
@@ -65,3 +66,22 @@ def thd(gen: torch.Generator, n_tokens: int, heads: int, head_dim: int, dtype: t
         return torch.randn(n_tokens, heads, head_dim, generator=gen).to(device, dtype)
     buf = torch.randn(n_tokens, heads + 3, head_dim, generator=gen).to(device, dtype)
     return buf[:, 2:2 + heads]
+
+
+def small_batch() -> dict:
+    """Good arguments of :func:`cp_rope.apply_rotary_emb`: x ``[10, 2, 8]`` float32,
+    ``rope_cache(32, 8)`` tables, cu_seqlens ``[0, 4, 10]``; the bad-input tables of
+    the RoPE tests change one of them."""
+    cos, sin = rope_cache(32, 8)
+    return dict(x=torch.randn(10, 2, 8), cos=cos, sin=sin,
+                cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
+
+
+def assert_bad_input_raises(exc: type[Exception], match: str, change: dict) -> None:
+    """:func:`cp_rope.apply_rotary_emb` on :func:`small_batch` updated by ``change``
+    raises ``exc`` with a message matching ``match``."""
+    args = small_batch()
+    args.update(change)
+    x, cos, sin, cu = args.pop("x"), args.pop("cos"), args.pop("sin"), args.pop("cu_seqlens")
+    with pytest.raises(exc, match=match):
+        apply_rotary_emb(x, cos, sin, cu, **args)

@@ -12,7 +12,14 @@ import zlib
 
 import pytest
 import torch
-from rope_utils import device_for, random_cu_seqlens, rope_reference, thd
+from rope_utils import (
+    assert_bad_input_raises,
+    device_for,
+    random_cu_seqlens,
+    rope_reference,
+    small_batch,
+    thd,
+)
 from utils import assert_close, poison_
 
 import cp_rope
@@ -283,11 +290,6 @@ def test_backend_selection(monkeypatch):
 
 
 # ----------------------------------------------------------------- bad input
-def _good():
-    return dict(x=torch.randn(10, 2, 8), cos=rope_cache(32, 8)[0], sin=rope_cache(32, 8)[1],
-                cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
-
-
 BAD = {
     "x_not_tensor": (TypeError, "x must be a torch.Tensor", dict(x=[1.0])),
     "x_wrong_rank": (ValueError, r"x must be \[T, H, D\]", dict(x=torch.randn(10, 8))),
@@ -323,17 +325,12 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 def test_bad_input_raises(case):
-    exc, match, change = BAD[case]
-    args = _good()
-    args.update(change)
-    x, cos, sin, cu = args.pop("x"), args.pop("cos"), args.pop("sin"), args.pop("cu_seqlens")
-    with pytest.raises(exc, match=match):
-        apply_rotary_emb(x, cos, sin, cu, **args)
+    assert_bad_input_raises(*BAD[case])
 
 
 @pytest.mark.parametrize("case", ["k_dtype", "k_shape", "k_none"])
 def test_bad_k_raises(case):
-    g = _good()
+    g = small_batch()
     q = g["x"]
     k = {"k_dtype": q.half(), "k_shape": torch.randn(10, 1, 6), "k_none": None}[case]
     exc = ValueError if case == "k_shape" else TypeError

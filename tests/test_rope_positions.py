@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from rope_utils import device_for, random_cu_seqlens, rope_reference, thd
+from rope_utils import (
+    assert_bad_input_raises,
+    device_for,
+    random_cu_seqlens,
+    rope_reference,
+    small_batch,
+    thd,
+)
 from utils import assert_close, poison_
 
 from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache
@@ -169,11 +176,6 @@ def test_partial_head_block_is_clipped(inplace):
 
 
 # ----------------------------------------------------------------- bad input
-def _good():
-    return dict(x=torch.randn(10, 2, 8), cos=rope_cache(32, 8)[0], sin=rope_cache(32, 8)[1],
-                cu_seqlens=torch.tensor([0, 4, 10], dtype=torch.int32))
-
-
 _POS = torch.arange(10)
 BAD = {
     "position_ids_float": (TypeError, "position_ids must be int32 or int64",
@@ -217,17 +219,12 @@ BAD = {
 
 @pytest.mark.parametrize("case", list(BAD), ids=list(BAD))
 def test_bad_positions_raise(case):
-    exc, match, change = BAD[case]
-    args = _good()
-    args.update(change)
-    x, cos, sin, cu = args.pop("x"), args.pop("cos"), args.pop("sin"), args.pop("cu_seqlens")
-    with pytest.raises(exc, match=match):
-        apply_rotary_emb(x, cos, sin, cu, **args)
+    assert_bad_input_raises(*BAD[case])
 
 
 def test_good_positions_at_the_cache_edge_pass():
     """The bounds are tight: the last cache row is allowed."""
-    g = _good()
+    g = small_batch()
     apply_rotary_emb(g["x"], g["cos"], g["sin"], g["cu_seqlens"], position_ids=torch.tensor([0] * 9 + [31]),
                      max_position_id=31)
     apply_rotary_emb(g["x"], g["cos"], g["sin"], g["cu_seqlens"],
