@@ -12,16 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from cp_rope.validation import (
-    check_cp_args,
-    check_cu_seqlens,
-    check_cu_seqlens_content,
-    content_checks_enabled,
-)
+from cp_rope.validation import check_cp_args, check_cu_seqlens, check_cu_seqlens_content
 
-# check_cp_args, check_cu_seqlens_content and content_checks_enabled live in
-# cp_rope.validation; re-exported here for code written against the old home.
-__all__ = ["global_positions", "check_cp_args", "check_cu_seqlens_content", "content_checks_enabled"]
+__all__ = ["global_positions"]
 
 
 def global_positions(cu_seqlens: torch.Tensor, cp_size: int = 1, cp_rank: int = 0) -> torch.Tensor:
