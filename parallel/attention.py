@@ -62,13 +62,7 @@ from ._accumulate import OutAcc, Rows, acc_dtype, add_grads, mask_pad
 from ._blocks import get_backend
 from ._ring import ring_exchange
 from .plan import METHODS, CPAttentionPlan
-from .ulysses import (
-    A2A_METHODS,
-    hybrid_backward,
-    hybrid_forward,
-    ulysses_backward,
-    ulysses_forward,
-)
+from .ulysses import A2A_METHODS, hybrid_backward, hybrid_forward
 
 __all__ = ["context_parallel_attention", "CPAttentionPlan"]
 
@@ -374,12 +368,12 @@ def allgather_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
 _ALGORITHMS = {
     "ring": (ring_forward, ring_backward),
     "allgather": (allgather_forward, allgather_backward),
-    # the all-to-all methods run the ring code over their inner ring (cp_rope.parallel.ulysses)
-    "ulysses": (partial(ulysses_forward, ring_forward=ring_forward),
-                partial(ulysses_backward, ring_backward=ring_backward)),
+    # the all-to-all methods run the ring code over their inner ring (cp_rope.parallel.ulysses);
+    # Ulysses is hybrid with U = C (the plan's ulysses_size): one pair of functions
     "hybrid": (partial(hybrid_forward, ring_forward=ring_forward),
                partial(hybrid_backward, ring_backward=ring_backward)),
 }
+_ALGORITHMS["ulysses"] = _ALGORITHMS["hybrid"]
 
 
 class _CPAttention(torch.autograd.Function):

@@ -83,7 +83,7 @@ from ._accumulate import Rows
 from .sharding import cp_shard_indices
 
 __all__ = ["A2A_METHODS", "check_ulysses_args", "a2a_index", "a2a_inner_layout", "a2a_groups",
-           "ulysses_forward", "ulysses_backward", "hybrid_forward", "hybrid_backward",
+           "hybrid_forward", "hybrid_backward",
            "comm_volume"]
 
 A2A_METHODS = ("ulysses", "hybrid")
@@ -345,12 +345,6 @@ def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs
         _heads_received(got[:, :, lo:hi], h, u, n, g)
         result.append(Rows(shape, gd, dout.device, g))
     return tuple(result)
-
-
-# Ulysses is hybrid with U = C: the inner "ring" has one rank and one block of whole
-# documents (the plan's ulysses_size says which); one algorithm, one function.
-ulysses_forward = hybrid_forward
-ulysses_backward = hybrid_backward
 
 
 # --------------------------------------------------------------------------- volume
