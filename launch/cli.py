@@ -33,11 +33,13 @@ import re
 import sys
 import types
 import typing
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import tyro
 
+from .checkpoint import CheckpointError
 from .config import (
     PRESETS,
     SECTIONS,
@@ -51,7 +53,7 @@ from .config import (
     preset,
 )
 
-__all__ = ["parse_args", "load_config_file", "apply_mapping", "PROG"]
+__all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
 
 PROG = "torchrun --nproc-per-node N -m cp_rope.launch.pretrain"
 """The program name ``--help`` shows."""
@@ -180,7 +182,7 @@ _RST_ROLE = re.compile(r":[a-z]+:`~?([^`]+)`")
 _RST_LITERAL = re.compile(r"``?([^`]+)``?")
 
 
-def _plain(text: str) -> str:
+def plain_text(text: str) -> str:
     """Docstring text without reStructuredText markup (roles, ``literals``, ``::``) for ``--help``."""
     text = _RST_LITERAL.sub(r"\1", _RST_ROLE.sub(r"\1", text)).replace("::\n", ":\n")
     return re.sub(r"\n{3,}", "\n\n", text)
@@ -211,8 +213,26 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                            **{s: getattr(cfg, s) for s in SECTIONS})
     text = "Flags override the --config file, which overrides the --preset."
     if description:
-        text = _plain(description).strip() + "\n\n" + text
+        text = plain_text(description).strip() + "\n\n" + text
     cli = tyro.cli(_CommandLine, args=argv, default=default, prog=PROG, description=text,
                    config=(tyro.conf.OmitArgPrefixes,),
                    console_outputs=os.environ.get("RANK", "0") == "0")
     return PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
+
+
+def run_cli(entry: Callable[[], dict]) -> dict:
+    """Run an entry point (``pretrain.main``, ``finetune_hf.main``) as a command.
+
+    A :class:`ConfigError` or :class:`CheckpointError` (every rank raises the same
+    one) is printed once, by rank 0, as ``error: ...``, then exit status 2; an
+    interrupted run exits with status 130. Returns: ``entry``'s summary otherwise.
+    """
+    try:
+        summary = entry()
+    except (ConfigError, CheckpointError) as exc:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if summary["interrupted"]:
+        raise SystemExit(130)
+    return summary

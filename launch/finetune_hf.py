@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from cp_rope.hf import load_causal_lm, local_config, patch_model
 from cp_rope.positions import global_positions
 
-from .cli import _plain
+from .cli import plain_text, run_cli
 from .config import (
     ConfigError,
     DataConfig,
@@ -69,7 +69,7 @@ from .config import (
     validate,
 )
 from .data import load_tokenizer
-from .pretrain import _setup_distributed, set_up, summarize, train_loop
+from .pretrain import set_up, setup_distributed, summarize, train_loop
 
 __all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
 
@@ -119,7 +119,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     Raises: SystemExit on ``--help`` (0) or a malformed flag (2, tyro's message).
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    return tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=_plain(__doc__).strip(),
+    return tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
                     config=(tyro.conf.OmitArgPrefixes,),
                     console_outputs=os.environ.get("RANK", "0") == "0")
 
@@ -255,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     fc = parse_args(argv)
     cfg = resolve(fc)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    created, _ = _setup_distributed(cfg)
+    created, _ = setup_distributed(cfg)
     try:
         tr = set_up(cfg, build=lambda _cfg, device: build_model(fc, device))
         if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
@@ -277,14 +277,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def _cli() -> None:
-    try:
-        summary = main()
-    except ConfigError as exc:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if summary["interrupted"]:
-        raise SystemExit(130)
+    summary = run_cli(main)
     if summary.get("hf_model") and os.environ.get("RANK", "0") == "0":
         print(json.dumps({"hf_model": summary["hf_model"]}))
 

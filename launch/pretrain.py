@@ -39,7 +39,6 @@ import json
 import math
 import os
 import signal
-import sys
 import threading
 import time
 import warnings
@@ -52,13 +51,12 @@ from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import (
-    CheckpointError,
     check_checkpoint_space,
     load_checkpoint,
     resume_checkpoint,
     save_checkpoint,
 )
-from .cli import parse_args
+from .cli import parse_args, run_cli
 from .config import ConfigError, PretrainConfig, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size, placement_args
 from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
@@ -68,7 +66,7 @@ from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 from .run_dir import prepare_out_dir
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
-           "train_step", "all_reduce_gradients", "lr_lambda"]
+           "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed"]
 
 
 # ------------------------------------------------------------------ pieces
@@ -204,7 +202,7 @@ class _StopFlag:
         return int(flag.item())
 
 
-def _setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
+def setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
     """Initialise the process group (unless the caller did) and pick this rank's device.
 
     The CUDA device comes from LOCAL_RANK and is set before NCCL starts; every
@@ -476,7 +474,7 @@ def main(argv: list[str] | None = None) -> dict:
     """
     cfg = parse_args(argv, description=__doc__)
     validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    created, _ = _setup_distributed(cfg)
+    created, _ = setup_distributed(cfg)
     try:
         return run(cfg)
     finally:
@@ -484,16 +482,5 @@ def main(argv: list[str] | None = None) -> dict:
             dist.destroy_process_group()
 
 
-def _cli() -> None:
-    try:
-        summary = main()
-    except (ConfigError, CheckpointError) as exc:  # every rank raises the same one: print it once
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {exc}", file=sys.stderr)
-        raise SystemExit(2) from None
-    if summary["interrupted"]:
-        raise SystemExit(130)
-
-
 if __name__ == "__main__":
-    _cli()
+    run_cli(main)
