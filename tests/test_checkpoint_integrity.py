@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from dist_utils import run_distributed
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from utils import tiny_pretrain_argv
 
 from cp_rope.launch import checkpoint as ckpt
 from cp_rope.launch.checkpoint import (
@@ -37,10 +38,7 @@ from cp_rope.launch.checkpoint import (
 from cp_rope.launch.pretrain import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
-        "--ffn-hidden-dim", "64", "--seq-len", "64", "--tokens-per-batch", "256",
-        "--max-docs", "16", "--warmup-steps", "2", "--log-every", "1", "--no-progress",
-        "--no-tensorboard"]
+TINY = tiny_pretrain_argv(seq_len=64, tokens_per_batch=256, max_docs=16)
 # Checkpoints after steps 1, 2 and 3; a resume that falls back to step 2 re-runs step 3 and
 # saves it again: its loss and the saved weights and optimizer state must equal the
 # uninterrupted run's bit for bit (the optimizer state of the checkpoint drives that update).

@@ -17,6 +17,7 @@ import torch.distributed as dist
 sys.path.insert(0, os.path.dirname(__file__))
 
 from dist_utils import run_distributed  # noqa: E402
+from utils import tiny_pretrain_argv  # noqa: E402
 
 from cp_rope.launch import pretrain  # noqa: E402
 from cp_rope.launch.cli import parse_args  # noqa: E402
@@ -37,11 +38,7 @@ from cp_rope.launch.pretrain import main  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A model and corpus slice small enough for a few steps per second on one CPU core.
-TINY = ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
-        "--ffn-hidden-dim", "64", "--seq-len", "128", "--tokens-per-batch", "512",
-        "--max-docs", "40", "--warmup-steps", "2", "--log-every", "1", "--no-progress",
-        "--no-tensorboard"]
+TINY = tiny_pretrain_argv()
 
 
 def _resume_body(rank: int, world: int, tmp: str) -> None:

@@ -59,3 +59,14 @@ def assert_close(got: torch.Tensor, expected: torch.Tensor, *, dtype: torch.dtyp
 def poison_(t: torch.Tensor) -> torch.Tensor:
     """Fill with NaN (floating) so an unwritten element cannot pass a check."""
     return t.fill_(float("nan"))
+
+
+def tiny_pretrain_argv(*, seq_len: int = 128, tokens_per_batch: int = 512,
+                       max_docs: int = 40) -> list[str]:
+    """``cp_rope.launch.pretrain`` flags for the launch tests: a ~30K-parameter model and a corpus
+    slice small enough for a few steps per second on one CPU core, logging every step, no
+    progress bar or TensorBoard."""
+    return ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
+            "--ffn-hidden-dim", "64", "--seq-len", str(seq_len),
+            "--tokens-per-batch", str(tokens_per_batch), "--max-docs", str(max_docs),
+            "--warmup-steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard"]
