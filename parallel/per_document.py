@@ -25,7 +25,7 @@ import torch.distributed as dist
 from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 
 from .attention import context_parallel_attention
-from .placement import DocumentPlacement
+from .placement import DocumentPlacement, check_group_size, check_local_cu_seqlens
 from .plan import METHODS, CPAttentionPlan, _check_across_ranks
 from .ulysses import check_ulysses_args
 
@@ -156,9 +156,7 @@ def _check_local(placement, size, rank, n_tokens, seq_lens):
     """This rank's checks of a plan's arguments: (local cu_seqlens, n_tokens) or raise."""
     if not isinstance(placement, DocumentPlacement):
         raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
-    if size != placement.cp_size:
-        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
-                         f"{size} rank(s)")
+    check_group_size(placement, size)
     cu = placement.local_cu_seqlens(rank)
     n_tokens = placement.n_rows if n_tokens is None else n_tokens
     if n_tokens < int(cu[-1]):
@@ -240,9 +238,7 @@ def per_document_attention(
     placement, r = plan.placement, plan.cp_rank
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, device=q.device)
-        if cu_seqlens.device.type == "cpu" and not torch.equal(cu_seqlens,
-                                                               placement.local_cu_seqlens(r)):
-            raise ValueError(f"cu_seqlens: not rank {r}'s local cu_seqlens under placement")
+        check_local_cu_seqlens(placement, cu_seqlens, r)
     if max_seqlen is not None and max_seqlen < placement.max_seqlen(r):
         raise ValueError(f"max_seqlen = {max_seqlen} is below rank {r}'s longest local sequence "
                          f"({placement.max_seqlen(r)})")

@@ -441,12 +441,24 @@ def _check_unshard_placed(local, cu_seqlens, placement, size: int, rank: int) ->
                         f"{type(placement).__name__}; unshard of a zigzag shard takes "
                         f"placement=None")
     check_cu_seqlens(cu_seqlens)
-    if size != placement.cp_size:
-        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
-                         f"{size} ranks")
+    check_group_size(placement, size)
     if local.shape[0] != placement.n_rows:
         raise ValueError(f"local: {local.shape[0]} rows, the placement's shards have "
                          f"{placement.n_rows}")
+    check_local_cu_seqlens(placement, cu_seqlens, rank)
+
+
+def check_group_size(placement: DocumentPlacement, size: int) -> None:
+    """ValueError unless the CP group has ``placement.cp_size`` ranks."""
+    if size != placement.cp_size:
+        raise ValueError(f"placement: built for cp_size={placement.cp_size}, the group has "
+                         f"{size} rank(s)")
+
+
+def check_local_cu_seqlens(placement: DocumentPlacement, cu_seqlens: torch.Tensor,
+                           rank: int) -> None:
+    """ValueError if a CPU ``cu_seqlens`` is not rank ``rank``'s local cu_seqlens under
+    ``placement`` (a device tensor is not read: no sync)."""
     if cu_seqlens.device.type == "cpu" and not torch.equal(
             cu_seqlens, placement.local_cu_seqlens(rank)):
         raise ValueError(f"cu_seqlens: not rank {rank}'s local cu_seqlens under placement")
