@@ -164,7 +164,6 @@ def merge_weights(lse1: torch.Tensor, lse2: torch.Tensor):
 
 class _Reference:
     name = "reference"
-    needs_host_segments = False
     partials_in_input_dtype = False  # fp32 (fp64) math and partials for any input
     rows_per_chunk = 128
 
@@ -248,7 +247,6 @@ class _Reference:
 class _Varlen:
     """Flash-style varlen kernels (torch's own or the flash_attn package)."""
 
-    needs_host_segments = False
     partials_in_input_dtype = True
     prepare_lse = staticmethod(_Reference.prepare_lse)
 
@@ -276,7 +274,6 @@ class _Cudnn:
     """cuDNN dense attention, one ``[1, H, S, D]`` call per host-known segment."""
 
     name = "torch_cudnn"
-    needs_host_segments = True
     partials_in_input_dtype = True
     prepare_lse = staticmethod(_Reference.prepare_lse)
 
@@ -337,7 +334,6 @@ class _CudnnTHD:
     equal-length documents; measured faster on an H200)."""
 
     name = "cudnn"
-    needs_host_segments = False
     partials_in_input_dtype = True
 
     @staticmethod
