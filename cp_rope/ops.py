@@ -28,7 +28,7 @@ import os
 
 import torch
 
-from cp_rope.torch_backend import rotary_torch
+from cp_rope.torch_backend import rotary_torch_qk
 from cp_rope.validation import (
     check_bool,
     check_choice,
@@ -73,11 +73,9 @@ def _rotary_impl(q, k, out_q, out_k, cos, sin, cu_seqlens, position_ids, start_p
                       conjugate, position_ids=position_ids, start_positions=start_positions,
                       start_offset=start_offset)
     else:
-        for x, out in ((q, out_q), (k, out_k)):
-            if x is not None and x.shape[1]:
-                rotary_torch(x, cos, sin, cu_seqlens, cp_size, cp_rank, interleaved, conjugate,
-                             out=out, position_ids=position_ids,
-                             start_positions=start_positions, start_offset=start_offset)
+        rotary_torch_qk(q, k, out_q, out_k, cos, sin, cu_seqlens, cp_size, cp_rank, interleaved,
+                        conjugate, position_ids=position_ids, start_positions=start_positions,
+                        start_offset=start_offset)
 
 
 def _traced_content_checks(q, cos, cu_seqlens, position_ids, start_positions, start_offset,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["token_positions", "rotary_torch"]
+__all__ = ["token_positions", "rotary_torch", "rotary_torch_qk"]
 
 
 def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int = 1, cp_rank: int = 0,
@@ -54,6 +54,34 @@ def token_positions(cu_seqlens: torch.Tensor, n_tokens: int, cp_size: int = 1, c
     return torch.where(valid, pos, 0), valid
 
 
+def _rows(cos, sin, cu_seqlens, n_tokens, dtype, cp_size, cp_rank, conjugate, position_ids,
+          start_positions, start_offset):
+    """The cos/sin rows of every token (``[T, 1, rotary_dim // 2]``, the compute dtype) and
+    the valid-row mask, for inputs of ``dtype``."""
+    pos, valid = token_positions(cu_seqlens, n_tokens, cp_size, cp_rank, position_ids=position_ids,
+                                 start_positions=start_positions, start_offset=start_offset)
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    c = cos.to(compute).index_select(0, pos)[:, None, :]
+    s = sin.to(compute).index_select(0, pos)[:, None, :]
+    return c, (-s if conjugate else s), valid
+
+
+def _rotate(x, out, c, s, valid, interleaved):
+    half = c.shape[-1]
+    rot = 2 * half
+    xr = x[..., :rot].to(c.dtype)
+    if interleaved:
+        x1, x2 = xr[..., 0::2], xr[..., 1::2]
+    else:
+        x1, x2 = xr[..., :half], xr[..., half:]
+    y1 = x1 * c - x2 * s
+    y2 = x2 * c + x1 * s
+    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
+    out[..., :rot] = torch.where(valid[:, None, None], y, xr).to(x.dtype)
+    if rot < x.shape[2] and out.data_ptr() != x.data_ptr():
+        out[..., rot:] = x[..., rot:]
+
+
 def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
                  cp_size: int = 1, cp_rank: int = 0, interleaved: bool = False,
                  conjugate: bool = False, out: torch.Tensor | None = None, *,
@@ -68,28 +96,26 @@ def rotary_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cu_seqle
     from ``rotary_dim = 2 * cos.shape[1]`` on are copied unchanged. ``out``
     may be ``x`` itself (in place).
     """
-    n_tokens, _, head_dim = x.shape
-    half = cos.shape[1]
-    rot = 2 * half
-    pos, valid = token_positions(cu_seqlens, n_tokens, cp_size, cp_rank, position_ids=position_ids,
-                                 start_positions=start_positions, start_offset=start_offset)
-    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = cos.to(compute).index_select(0, pos)[:, None, :]
-    s = sin.to(compute).index_select(0, pos)[:, None, :]
-    if conjugate:
-        s = -s
-    xr = x[..., :rot].to(compute)
-    if interleaved:
-        x1, x2 = xr[..., 0::2], xr[..., 1::2]
-    else:
-        x1, x2 = xr[..., :half], xr[..., half:]
-    y1 = x1 * c - x2 * s
-    y2 = x2 * c + x1 * s
-    y = torch.stack((y1, y2), dim=-1).flatten(-2) if interleaved else torch.cat((y1, y2), dim=-1)
-    y = torch.where(valid[:, None, None], y, xr).to(x.dtype)
+    c, s, valid = _rows(cos, sin, cu_seqlens, x.shape[0], x.dtype, cp_size, cp_rank, conjugate,
+                        position_ids, start_positions, start_offset)
     if out is None:
         out = torch.empty_like(x)
-    out[..., :rot] = y
-    if rot < head_dim and out.data_ptr() != x.data_ptr():
-        out[..., rot:] = x[..., rot:]
+    _rotate(x, out, c, s, valid, interleaved)
     return out
+
+
+def rotary_torch_qk(q: torch.Tensor, k: torch.Tensor | None, out_q: torch.Tensor,
+                    out_k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                    cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, interleaved: bool,
+                    conjugate: bool, *, position_ids: torch.Tensor | None = None,
+                    start_positions: torch.Tensor | None = None, start_offset: int = 0) -> None:
+    """:func:`rotary_torch` of q ``[T, Hq, D]`` into out_q and k ``[T, Hk, D]`` into out_k
+    (k and out_k may be None or have 0 heads; same dtype as q), with the positions and
+    the cos/sin rows found once for both (the Triton launcher's signature)."""
+    pairs = [(x, out) for x, out in ((q, out_q), (k, out_k)) if x is not None and x.shape[1]]
+    if not pairs:
+        return
+    c, s, valid = _rows(cos, sin, cu_seqlens, q.shape[0], q.dtype, cp_size, cp_rank, conjugate,
+                        position_ids, start_positions, start_offset)
+    for x, out in pairs:
+        _rotate(x, out, c, s, valid, interleaved)
