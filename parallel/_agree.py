@@ -16,7 +16,8 @@ __all__ = ["agree_across_ranks"]
 
 
 def agree_across_ranks(group: dist.ProcessGroup | None, error: Exception | None, sig: object,
-                       *, what: str, describe: Callable[[list], str]) -> None:
+                       *, what: str, describe: Callable[[list], str],
+                       exc: type[Exception] = ValueError) -> None:
     """All-gather this rank's ``(error, sig)`` over ``group`` and raise on every rank if any
     rank failed or the signatures differ.
 
@@ -26,17 +27,20 @@ def agree_across_ranks(group: dist.ProcessGroup | None, error: Exception | None,
         sig: this rank's signature (compared for equality; ignored where ``error`` is set).
         what: the API's name, first word of the messages (e.g. ``"unshard"``).
         describe: maps the list of every rank's signature to the text shown on a mismatch.
+        exc: the exception type raised on the ranks whose own input passed.
 
-    Raises: ``error`` itself on the rank that failed; ValueError naming the failing rank and
-    its message on the others; ValueError with ``describe(sigs)`` when signatures differ.
+    Raises: ``error`` itself on the rank that failed; ``exc`` naming every failing rank, its
+    exception type and message on the others; ``exc`` with ``describe(sigs)`` when the
+    signatures differ.
     """
+    mine = None if error is None else f"{type(error).__name__}: {error}"
     views: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (None if error is None else str(error), sig), group=group)
+    dist.all_gather_object(views, (mine, sig), group=group)
     if error is not None:
         raise error
-    failed = [r for r, (e, _) in enumerate(views) if e is not None]
+    failed = [(r, e) for r, (e, _) in enumerate(views) if e is not None]
     if failed:
-        raise ValueError(f"{what}: rank {failed[0]} of the group refused its input: "
-                         f"{views[failed[0]][0]}")
+        detail = "; ".join(f"rank {r}: {e} (rank {r} of the group refused its input)" for r, e in failed)
+        raise exc(f"{what}: bad arguments on another rank: {detail}")
     if any(v[1] != sig for v in views):
-        raise ValueError(f"{what}: {describe([v[1] for v in views])}")
+        raise exc(f"{what}: {describe([v[1] for v in views])}")

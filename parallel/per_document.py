@@ -93,8 +93,7 @@ class PerDocumentPlan:
             # and on the placement: a rank with split documents builds the split plan (a
             # collective) while one whose placement has none would not join it
             same = None if error is not None else _fingerprint(placement)
-            _check_across_ranks(group, {"error": None if error is None else str(error),
-                                        "placement": same}, error)
+            _check_across_ranks(group, {"placement": same}, error)
         else:
             check()
         return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,

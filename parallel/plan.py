@@ -42,6 +42,7 @@ from cp_rope.validation import (
     check_max_seqlen,
 )
 
+from ._agree import agree_across_ranks
 from ._blocks import Block
 from .sharding import cp_shard_indices
 from .ulysses import A2A_METHODS, a2a_groups, a2a_index, a2a_inner_layout, check_ulysses_args
@@ -257,8 +258,7 @@ class CPAttentionPlan:
             sig = {"q": (n_tokens, q_heads, head_dim), "k": (n_tokens, kv_heads, head_dim),
                    "dtype": str(dtype), "max_seqlen": max_seqlen, "causal": causal,
                    "method": method, "ulysses_size": ulysses_size, "cu_seqlens": cu_host.tolist(),
-                   "seq_lens": None if seq_host is None else seq_host.tolist(),
-                   "error": None if error is None else f"{type(error).__name__}: {error}"}
+                   "seq_lens": None if seq_host is None else seq_host.tolist()}
             _check_across_ranks(group, sig, error)
         elif error is not None:
             raise error
@@ -385,23 +385,18 @@ def _check_seq_lens(seq_lens, cu_host, causal, cp_size):
 
 
 def _check_across_ranks(group, sig: dict, error: Exception | None) -> None:
-    """All-gather every rank's signature; raise on every rank if one failed or any differ."""
-    sigs = [None] * dist.get_world_size(group)
-    dist.all_gather_object(sigs, sig, group=group)
-    failed = [(i, s["error"]) for i, s in enumerate(sigs) if s["error"] is not None]
-    if failed:
-        if error is not None:
-            raise error
-        detail = "; ".join(f"rank {i}: {msg}" for i, msg in failed)
-        raise RuntimeError(f"CP attention plan: bad arguments on another rank: {detail}")
-    if any(s != sigs[0] for s in sigs):
-        diff = [key for key in sigs[0] if any(s[key] != sigs[0][key] for s in sigs)]
+    """:func:`agree_across_ranks` for plan builds: RuntimeError on the ranks whose own
+    arguments passed, naming the keys of ``sig`` that differ and every rank's values."""
 
+    def describe(sigs: list) -> str:
         def show(v):
             text = str(v)
             return text if len(text) <= 120 else text[:117] + "..."
 
-        detail = "\n".join(f"  rank {i}: " + ", ".join(f"{key}={show(s[key])}" for key in diff)
-                           for i, s in enumerate(sigs))
-        raise RuntimeError("context_parallel_attention: inputs differ across the ranks of the CP "
-                           f"group:\n{detail}")
+        diff = [key for key in sigs[0] if any(s[key] != sigs[0][key] for s in sigs)]
+        return "inputs differ across the ranks of the CP group:\n" + "\n".join(
+            f"  rank {i}: " + ", ".join(f"{key}={show(s[key])}" for key in diff)
+            for i, s in enumerate(sigs))
+
+    agree_across_ranks(group, error, sig, what="context_parallel_attention", describe=describe,
+                       exc=RuntimeError)
