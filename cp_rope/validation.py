@@ -34,6 +34,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_cp_args",
+    "check_size_rank",
     "check_cu_seqlens",
     "check_max_seqlen",
     "content_checks_enabled",
@@ -78,20 +79,26 @@ def check_choice(name: str, value, choices: Iterable[str]) -> str:
     return value
 
 
-def check_cp_args(cp_size, cp_rank) -> tuple[int, int]:
-    """``(cp_size, cp_rank)`` as Python ints.
+def check_size_rank(size, rank, *, names: tuple[str, str] = ("cp_size", "cp_rank")
+                    ) -> tuple[int, int]:
+    """``(size, rank)`` of a parallel dimension as Python ints, named ``names`` in errors.
 
     Raises:
         TypeError: either is not an int (bools and tensors refused).
-        ValueError: ``cp_size < 1`` or ``cp_rank`` outside ``[0, cp_size)``.
+        ValueError: ``size < 1`` or ``rank`` outside ``[0, size)``.
     """
-    cp_size = check_int("cp_size", cp_size)
-    cp_rank = check_int("cp_rank", cp_rank)
-    if cp_size < 1:
-        raise ValueError(f"cp_size must be >= 1, got {cp_size}")
-    if not 0 <= cp_rank < cp_size:
-        raise ValueError(f"cp_rank must satisfy 0 <= cp_rank < cp_size={cp_size}, got {cp_rank}")
-    return cp_size, cp_rank
+    size_name, rank_name = names
+    size = check_int(size_name, size, min_value=1)
+    rank = check_int(rank_name, rank)
+    if not 0 <= rank < size:
+        raise ValueError(f"{rank_name} must satisfy 0 <= {rank_name} < {size_name}={size}, "
+                         f"got {rank}")
+    return size, rank
+
+
+def check_cp_args(cp_size, cp_rank) -> tuple[int, int]:
+    """``(cp_size, cp_rank)`` as Python ints (:func:`check_size_rank`)."""
+    return check_size_rank(cp_size, cp_rank)
 
 
 def check_cu_seqlens(cu_seqlens, *, name: str = "cu_seqlens",

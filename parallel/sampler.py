@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch.utils.data import Sampler
 
-from cp_rope.validation import check_bool, check_cp_args, check_int
+from cp_rope.validation import check_bool, check_cp_args, check_int, check_size_rank
 
 from .collator import _check_budget, _padded, _span_example, _to_int64
 
@@ -27,10 +27,7 @@ __all__ = ["TokenBudgetBatchSampler", "SpanDataset"]
 
 
 def _check_dp(dp_size: Any, dp_rank: Any) -> tuple[int, int]:
-    dp_size, dp_rank = check_int("dp_size", dp_size, min_value=1), check_int("dp_rank", dp_rank)
-    if not 0 <= dp_rank < dp_size:
-        raise ValueError(f"dp_rank must satisfy 0 <= dp_rank < dp_size={dp_size}, got {dp_rank}")
-    return dp_size, dp_rank
+    return check_size_rank(dp_size, dp_rank, names=("dp_size", "dp_rank"))
 
 
 
