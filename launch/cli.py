@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import sys
@@ -115,7 +116,9 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     """``value`` from a file as the annotated type ``tp``; ConfigError naming ``where`` if it is not one.
 
     Numbers may be written as strings (``"1e-3"``), booleans as ``"true"``/``"off"``...,
-    ``None`` of an optional field as JSON ``null`` or ``"none"``.
+    ``None`` of an optional field as JSON ``null`` or ``"none"``. A boolean or ``null`` is
+    never taken for a number or a string (``lr = true`` is an error, not 1.0), a string
+    field takes only strings, and a float must be finite.
     """
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
@@ -132,12 +135,25 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
         if isinstance(value, str) and value.lower() in ("1", "true", "yes", "on", "0", "false", "no", "off"):
             return value.lower() in ("1", "true", "yes", "on")
         raise ConfigError(f"{where}={value!r}: expected a boolean")
+    # A JSON/TOML boolean or null is never a number or a text: float(True) is 1.0 and
+    # str(None) is "None", which would train at lr 1.0 or write a run to ./None.
+    if value is None or isinstance(value, bool):
+        shown = "null" if value is None else repr(value)
+        raise ConfigError(f"{where}={shown}: expected {tp.__name__}, got a "
+                          f"{'null' if value is None else 'boolean'}")
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}={value!r}: expected a string")
+        return value
     try:
-        if tp is int and (isinstance(value, bool) or (isinstance(value, float) and not value.is_integer())):
+        if tp is int and isinstance(value, float) and not value.is_integer():
             raise ValueError
-        return tp(value)
-    except (TypeError, ValueError):
+        out = tp(value)
+    except (TypeError, ValueError, OverflowError):
         raise ConfigError(f"{where}={value!r}: expected {tp.__name__}") from None
+    if tp is float and not math.isfinite(out):
+        raise ConfigError(f"{where}={value!r}: expected a finite number")
+    return out
 
 
 def apply_mapping(cfg: PretrainConfig, mapping: dict, source: str) -> PretrainConfig:

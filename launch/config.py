@@ -250,6 +250,10 @@ def _require(ok: bool, where: str, value: Any, why: str) -> None:
         raise ConfigError(f"{where}={value!r}: {why}")
 
 
+MAX_TIMEOUT_S = 7 * 24 * 3600
+"""The longest ``parallel.timeout_s`` accepted, in seconds."""
+
+
 def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     """Check every field that can be checked before any heavy work.
 
@@ -304,7 +308,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              "parallel.cp_split_threshold", p.cp_split_threshold,
              f"is for --cp-placement per_document only (this run: {p.cp_placement})")
     check_available(cfg)
-    _require(p.timeout_s >= 1, "parallel.timeout_s", p.timeout_s, "must be >= 1")
+    _require(1 <= p.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s", p.timeout_s,
+             f"must be in [1, {MAX_TIMEOUT_S}] seconds (7 days; a longer timeout overflows "
+             "the process group's timedelta)")
     if world_size is not None:
         _require(world_size % p.cp_size == 0, "parallel.cp_size", p.cp_size,
                  f"must divide the world size {world_size} (data-parallel size = world / cp_size "
@@ -338,6 +344,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(t.stop_grace_s >= 0, "train.stop_grace_s", t.stop_grace_s, "must be >= 0 (0 = off)")
     _require(t.stop_at_step is None or t.stop_at_step >= 1, "train.stop_at_step", t.stop_at_step,
              "must be >= 1")
+    _require(t.stop_at_step is None or t.stop_at_step <= t.steps, "train.stop_at_step",
+             t.stop_at_step, f"must be <= train.steps={t.steps} (the run ends at --steps anyway; "
+             "to train longer, raise --steps)")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")

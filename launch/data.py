@@ -210,8 +210,15 @@ def _read_jsonl(path: str, field: str, max_docs: int | None) -> Iterable[str]:
             if not isinstance(obj, dict) or not isinstance(obj.get(field), str):
                 raise ConfigError(f"data.data={path!r}: line {lineno} has no string field "
                                   f"{field!r} (set --text-field)")
+            text = obj[field]
+            try:  # JSON can escape a lone surrogate ("\ud800"): no tokenizer can encode it
+                text.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                raise ConfigError(f"data.data={path!r}: line {lineno}: field {field!r} holds "
+                                  f"{text[exc.start:exc.end]!r} at character {exc.start}, a lone "
+                                  "UTF-16 surrogate escape that is no Unicode text") from None
             n += 1
-            yield obj[field]
+            yield text
 
 
 def _load_bin(cfg: DataConfig, vocab_size: int) -> Corpus:

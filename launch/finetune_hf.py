@@ -218,7 +218,10 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
 
 def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
     """``--model`` loaded (or initialised from ``--seed``) in float32 on ``device``, wrapped."""
-    lm, _ = load_causal_lm(fc.hf.model, dtype=torch.float32, seed=fc.train.seed)
+    try:
+        lm, _ = load_causal_lm(fc.hf.model, dtype=torch.float32, seed=fc.train.seed)
+    except ValueError as exc:  # damaged or mismatched weight files, named
+        raise ConfigError(f"hf.{exc}") from None
     if fc.hf.activation_checkpointing:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel)

@@ -20,18 +20,31 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 
 
+# output_loading_info keys that mean the checkpoint and its config disagree
+_LOAD_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0][:300] if text else type(exc).__name__
+
+
 def local_config(path: str):
     """The transformers config in the local directory ``path`` (never downloads).
 
     Raises: ValueError naming ``model`` for a path that is not a local directory
-    with ``config.json``, or a model family :func:`patch_model` does not support.
+    with ``config.json``, a ``config.json`` transformers cannot read, or a model family :func:`patch_model` does not support.
     """
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model={path!r}: not a local directory with config.json (cp_rope "
                          "never downloads: fetch the checkpoint first, e.g. `hf download "
                          "ORG/NAME --local-dir DIR`, or write a config with "
                          "AutoConfig.save_pretrained(DIR) for a random init)")
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    try:
+        config = AutoConfig.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # a damaged config.json: JSON, OSError, transformers' own errors
+        raise ValueError(f"model={path!r}: config.json cannot be read as a transformers "
+                         f"config: {_first_line(exc)}") from exc
     if config.model_type not in FAMILIES:
         raise ValueError(f"model={path!r}: model_type {config.model_type!r} is not supported by "
                          f"cp_rope.hf (supported: {', '.join(SUPPORTED_FAMILIES)})")
@@ -51,12 +64,26 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32,
     Returns: ``(model on the CPU, True if weights were loaded / False if initialised
     from the config)``; attention implementation ``"sdpa"`` until :func:`patch_model`.
 
-    Raises: ValueError as :func:`local_config`.
+    Raises: ValueError as :func:`local_config`, and naming ``model`` for weight files that
+    cannot be read (truncated, corrupt) or that do not match ``config.json`` (missing,
+    unexpected or mismatched tensors).
     """
     config = local_config(path)
     if any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES):
-        model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype,
-                                                     attn_implementation="sdpa")
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, local_files_only=True, dtype=dtype, attn_implementation="sdpa",
+                output_loading_info=True)
+        except Exception as exc:  # truncated / corrupt weight files, shapes that disagree
+            raise ValueError(f"model={path!r}: its weights cannot be loaded "
+                             f"({type(exc).__name__}: {_first_line(exc)}); check that the "
+                             "weight files are complete and match config.json") from exc
+        model, info = model
+        bad = {k: v for k, v in info.items() if k in _LOAD_PROBLEMS and v}
+        if bad:
+            detail = "; ".join(f"{k}: {sorted(map(str, v))[:4]}" for k, v in bad.items())
+            raise ValueError(f"model={path!r}: the weight files do not match config.json "
+                             f"({detail}); a partly random model would train silently")
         return model, True
     torch.manual_seed(seed)
     config._attn_implementation = "sdpa"

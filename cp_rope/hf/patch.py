@@ -185,6 +185,21 @@ def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
         raise ValueError(f"rope_kernel=True: {exc}{hint}") from exc
     if theirs.is_meta:  # not materialised yet (meta-device init): nothing to compare
         return
+    if theirs.dtype not in (torch.float32, torch.float64):
+        # model.to(torch.bfloat16) / .half() casts the inv_freq buffer too: the model's own
+        # RoPE then rotates by frequencies rounded to that dtype, which cp_rope's exact
+        # tables do not reproduce (nor should: the rounding grows with the position).
+        rounded = torch.equal(ours.to(theirs.dtype), theirs.detach().cpu())
+        raise ValueError(
+            f"rope_kernel=True: the model's {type(rotary).__name__}.inv_freq is {theirs.dtype}"
+            + (", its config's frequencies rounded to that dtype" if rounded else "")
+            + ": the model was cast (model.to(dtype) / .half() / .bfloat16()) after it was "
+            "built, so its own RoPE rotates by rounded frequencies (relative error up to "
+            f"{torch.finfo(theirs.dtype).eps / 2:.1e}, i.e. angles off by that times the "
+            "position) and cp_rope's exact float64-derived tables would not reproduce it. "
+            "Load the model in the low dtype instead (from_pretrained(..., dtype=...) and "
+            "from_config keep inv_freq in float32), or call patch_model before casting"
+            f"{hint}")
     # transformers' inv_freq is float32: off by up to eps32 * ln(base) relative (pow)
     rtol = 4 * torch.finfo(torch.float32).eps * (1 + math.log(float(scaling["rope_theta"])))
     their_scale = float(getattr(rotary, "attention_scaling", 1.0))
