@@ -41,6 +41,7 @@ _EXPORTS = {
     "comm_volume": "ulysses",
     # loss
     "cp_cross_entropy": "loss",
+    "cp_linear_cross_entropy": "loss",
     # process groups / DeviceMesh
     "ParallelDims": "mesh",
 }

@@ -15,9 +15,16 @@ the *local* count instead would weight a rank holding one real token like a
 rank holding thousands (the error Megatron-core fixed by moving to a global
 token count). ``N`` comes from an all-reduce without gradient; ``N = 0`` (a
 batch whose labels are all ignored) gives loss 0 and gradients exactly 0.
+
+:func:`cp_linear_cross_entropy` is the same loss from hidden states and the
+LM-head weight, computed over chunks of tokens so that the ``[T, V]`` logits
+never exist; its design notes are in that
+function's docstring.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -30,7 +37,7 @@ from cp_rope.validation import (
     content_checks_enabled,
 )
 
-__all__ = ["cp_cross_entropy"]
+__all__ = ["cp_cross_entropy", "cp_linear_cross_entropy"]
 
 
 class _GroupMean(torch.autograd.Function):
@@ -45,6 +52,23 @@ class _GroupMean(torch.autograd.Function):
     def backward(ctx, grad):
         (count,) = ctx.saved_tensors
         return grad / count, None, None
+
+
+def group_mean(local_sum: torch.Tensor, labels: torch.Tensor, ignore_index: int,
+               group: dist.ProcessGroup | None) -> torch.Tensor:
+    """``(sum_r S_r) / N`` over ``group`` with the gradient ``d S_r / N`` (module docstring).
+
+    ``local_sum``: 0-dim, this rank's summed per-token loss (differentiable);
+    ``labels``: this rank's ``[T]`` labels (``N`` counts those != ``ignore_index``).
+    Cost: one all-reduce of two float64 scalars.
+    """
+    stats = torch.stack([local_sum.detach().to(torch.float64),
+                         (labels != ignore_index).sum().to(torch.float64)])
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    global_sum = stats[0].to(local_sum.dtype)
+    count = stats[1].clamp(min=1.0).to(local_sum.dtype)
+    return _GroupMean.apply(local_sum, global_sum, count)
 
 
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
@@ -87,40 +111,202 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
 
     Cost: one all-reduce of two float64 scalars (the loss sum and the count).
     """
-    if not isinstance(logits, torch.Tensor):
-        raise TypeError(f"logits must be a torch.Tensor, got {type(logits).__name__}")
+    ignore_index = check_inputs("logits", logits, labels, ignore_index, cu_seqlens)
+    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
+    local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
+                                reduction="sum")
+    return group_mean(local_sum, labels, ignore_index, group)
+
+
+def check_inputs(name: str, scores: torch.Tensor, labels: torch.Tensor, ignore_index,
+                 cu_seqlens: torch.Tensor | None, n_classes: int | None = None) -> int:
+    """The argument checks of the losses: ``scores`` (``logits`` [T, V] or ``hidden`` [T, d])
+    and ``labels`` [T]; ``n_classes`` (default ``scores.shape[1]``) bounds the labels.
+    Returns ``ignore_index`` as an int. Raises as :func:`cp_cross_entropy` documents."""
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(scores).__name__}")
     if not isinstance(labels, torch.Tensor):
         raise TypeError(f"labels must be a torch.Tensor, got {type(labels).__name__}")
-    if logits.dim() != 2:
-        raise ValueError(f"logits must be [T, V], got shape {tuple(logits.shape)}")
-    if not logits.is_floating_point():
-        raise TypeError(f"logits must be a float tensor, got {logits.dtype}")
-    if labels.dim() != 1 or labels.shape[0] != logits.shape[0]:
-        raise ValueError(f"labels must be [T] with T = logits.shape[0] = {logits.shape[0]}, "
+    if scores.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [T, {'V' if name == 'logits' else 'd'}], got shape "
+                         f"{tuple(scores.shape)}")
+    if not scores.is_floating_point():
+        raise TypeError(f"{name} must be a float tensor, got {scores.dtype}")
+    if labels.dim() != 1 or labels.shape[0] != scores.shape[0]:
+        raise ValueError(f"labels must be [T] with T = {name}.shape[0] = {scores.shape[0]}, "
                          f"got shape {tuple(labels.shape)}")
     if labels.is_floating_point() or labels.dtype == torch.bool:
         raise TypeError(f"labels must be an integer tensor, got {labels.dtype}")
-    if labels.device != logits.device:
-        raise ValueError(f"labels must be on logits' device {logits.device}, got {labels.device}")
+    if labels.device != scores.device:
+        raise ValueError(f"labels must be on {name}' device {scores.device}, got {labels.device}")
     ignore_index = check_int("ignore_index", ignore_index)
     if content_checks_enabled(labels):  # reads labels on the host: CPU, or CP_ROPE_DEBUG=1
-        n_classes = logits.shape[1]
+        n_classes = scores.shape[1] if n_classes is None else n_classes
         bad = (labels != ignore_index) & ((labels < 0) | (labels >= n_classes))
         if bool(bad.any()):
             t = int(torch.nonzero(bad)[0])
-            raise ValueError(f"labels must be in [0, {n_classes}) (logits.shape[1]) or "
+            where = "logits.shape[1]" if name == "logits" else "weight.shape[0]"
+            raise ValueError(f"labels must be in [0, {n_classes}) ({where}) or "
                              f"ignore_index={ignore_index}; labels[{t}] = {int(labels[t])}")
     if cu_seqlens is not None:
         check_cu_seqlens(cu_seqlens, device=labels.device)
         if content_checks_enabled(cu_seqlens):
             check_cu_seqlens_content(cu_seqlens, n_tokens=labels.shape[0])
-    compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
-                                reduction="sum")
-    stats = torch.stack([local_sum.detach().to(torch.float64),
-                         (labels != ignore_index).sum().to(torch.float64)])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-    global_sum = stats[0].to(compute_dtype)
-    count = stats[1].clamp(min=1.0).to(compute_dtype)
-    return _GroupMean.apply(local_sum, global_sum, count)
+    return ignore_index
+
+
+# ----------------------------------------------------------------- fused linear + cross-entropy
+AUTO_CHUNK_ELEMENTS = 1 << 27
+"""``chunk_size=None`` picks ``AUTO_CHUNK_ELEMENTS // V`` tokens (rounded down to a multiple of
+256, within [256, 65536]): one chunk's fp32 logits are then at most 512 MiB."""
+
+
+def auto_chunk_size(vocab_size: int) -> int:
+    """Tokens per chunk of :func:`cp_linear_cross_entropy` with ``chunk_size=None``."""
+    return min(65536, max(256, AUTO_CHUNK_ELEMENTS // max(int(vocab_size), 1) // 256 * 256))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """Forward: the group mean of the CE of ``hidden @ weight.T`` and, chunk by chunk, its
+    gradients (already divided by the group's token count N); backward scales them by the
+    incoming gradient. Liger-Kernel's fused linear cross-entropy schedule, in plain torch."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, softcap, group,
+                need_hidden, need_weight):
+        t, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
+        count = (labels != ignore_index).sum().to(torch.float64).reshape(1)
+        distributed = dist.is_initialized() and dist.get_world_size(group) > 1
+        if distributed:  # N first: each chunk's gradient is then final up to grad_output
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+        inv_n = 1.0 / count.clamp(min=1.0).to(dtype)
+        local = torch.zeros(1, dtype=torch.float64, device=hidden.device)
+        grad_h = torch.empty_like(hidden) if need_hidden else None
+        grad_w = torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
+                             device=weight.device) if need_weight else None
+        for s in range(0, t, chunk_size):
+            h, y = hidden[s:s + chunk_size], labels[s:s + chunk_size]
+            z = (h @ weight.t()).to(dtype)  # [c, V]: the only chunk x V buffers are here
+            th = None
+            if softcap is not None:  # Gemma 2: logits = softcap * tanh(logits / softcap)
+                th = torch.tanh(z.div_(softcap))
+                z = torch.mul(th, softcap, out=z)
+            lse = torch.logsumexp(z, dim=1)
+            valid = y != ignore_index
+            tgt = torch.where(valid, y, 0).long()[:, None]
+            per_token = torch.where(valid, lse - z.gather(1, tgt).squeeze(1), 0.0)
+            local += per_token.sum().to(torch.float64)
+            if grad_h is None and grad_w is None:
+                continue
+            g = z.sub_(lse[:, None]).exp_()  # softmax, in place
+            g.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=g.dtype))
+            g.mul_((valid.to(dtype) * inv_n)[:, None])
+            if th is not None:  # d softcap*tanh(z/softcap) / dz = 1 - tanh^2
+                g.mul_(th.mul_(th).neg_().add_(1.0))
+                del th
+            g = g.to(hidden.dtype)
+            if grad_h is not None:
+                torch.mm(g, weight, out=grad_h[s:s + chunk_size])
+            if grad_w is not None:
+                if grad_w.dtype == g.dtype:
+                    grad_w.addmm_(g.t(), h)
+                else:  # bf16 products, fp32 accumulation over chunks
+                    grad_w += (g.t() @ h).to(grad_w.dtype)
+        if distributed:
+            dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype, ctx.done = weight.dtype, False
+        return (local * inv_n.to(torch.float64)).to(dtype).reshape(())
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.done:
+            raise RuntimeError("cp_linear_cross_entropy: a second backward through the same "
+                               "loss (retain_graph=True) is not supported: its gradients are "
+                               "scaled in place; compute the loss again")
+        ctx.done = True
+        grad_h, grad_w = ctx.saved_tensors
+        if grad_h is not None:
+            grad_h.mul_(grad)  # opmath (fp32) product, one rounding to hidden's dtype
+        if grad_w is not None:
+            grad_w = grad_w.mul_(grad).to(ctx.weight_dtype)
+        return grad_h, grad_w, None, None, None, None, None, None, None
+
+
+def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                            group: dist.ProcessGroup | None = None, *, ignore_index: int = -100,
+                            chunk_size: int | None = None, softcap: float | None = None,
+                            cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """``cp_cross_entropy(hidden @ weight.T, labels, group)`` without the ``[T, V]`` logits.
+
+    The tokens are processed in chunks of ``chunk_size``: per chunk the logits
+    ``[chunk, V]`` (in at least float32), their log-sum-exp, the loss and, when
+    gradients are needed, ``dlogits = (softmax - onehot) / N`` right away (the
+    schedule of Liger-Kernel's fused linear cross-entropy), folded into
+    ``dhidden`` (rows of the chunk) and ``dweight`` (accumulated in at least
+    float32 over the chunks); backward only scales them by the incoming gradient.
+    So the extra memory is O(chunk x V) plus ``dhidden`` ``[T, d]`` and a float32
+    ``[V, d]`` accumulator, never ``T x V``, and no logits matmul is recomputed.
+    ``N``, the group's count of real labels, is all-reduced before the chunks, so
+    the gradients are exactly those of the unfused loss (float64: to rounding).
+    Pure torch (any device, float64 on CPU); written here rather than taken from
+    Liger-Kernel or cut-cross-entropy, whose Triton kernels compute in float32
+    (no float64 path), run on CUDA only, and reduce per rank (Liger also reads
+    the count on the host every call).
+
+    Args:
+        hidden: ``[T, d]`` float, this rank's final hidden states (after the last norm).
+        weight: ``[V, d]``, the LM head's weight (the embedding for tied
+            embeddings), same dtype and device as ``hidden``.
+        labels: ``[T]`` integer targets, ``ignore_index`` where there is none.
+        group: the dp x cp group whose real tokens form the mean (see
+            :func:`cp_cross_entropy`).
+        ignore_index: label value to skip.
+        chunk_size: tokens per chunk (>= 1); ``None`` = :func:`auto_chunk_size` of V.
+        softcap: final logit soft-capping (``cap * tanh(logits / cap)``, Gemma 2's
+            ``final_logit_softcapping``), > 0, or None.
+        cu_seqlens: optional local cu_seqlens, validated as in :func:`cp_cross_entropy`.
+
+    Returns:
+        0-dim tensor in ``promote(hidden.dtype, float32)``, the same on every rank:
+        the mean CE over every real label of ``group``. Its gradient is this rank's
+        share (sum gradients over ``group``). Backward may run once per call.
+
+    Raises:
+        ValueError: shapes that do not match (naming ``hidden``, ``weight`` or
+            ``labels``), labels outside ``[0, V)`` (CPU, or ``CP_ROPE_DEBUG=1``),
+            ``chunk_size`` < 1 (the ``--loss-chunk-size`` flag of the trainers),
+            ``softcap`` <= 0.
+        TypeError: non-tensors, non-float ``hidden``, ``weight`` of another dtype,
+            non-integer labels, ``chunk_size`` not an int.
+
+    Cost: the three matmuls of the unfused loss; two all-reduces of one float64 scalar.
+    """
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+    if weight.dim() != 2:
+        raise ValueError(f"weight must be 2-D [V, d], got shape {tuple(weight.shape)}")
+    ignore_index = check_inputs("hidden", hidden, labels, ignore_index, cu_seqlens,
+                                n_classes=weight.shape[0])
+    if weight.shape[1] != hidden.shape[1]:
+        raise ValueError(f"weight must be [V, d] with d = hidden.shape[1] = {hidden.shape[1]}, "
+                         f"got shape {tuple(weight.shape)}")
+    if weight.dtype != hidden.dtype or weight.device != hidden.device:
+        raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, "
+                        f"{hidden.device}), got ({weight.dtype}, {weight.device})")
+    if chunk_size is None:
+        chunk_size = auto_chunk_size(weight.shape[0])
+    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        raise TypeError(f"chunk_size must be an int (tokens per chunk; --loss-chunk-size) or "
+                        f"None, got {type(chunk_size).__name__}")
+    elif chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size}: must be >= 1 token per chunk "
+                         "(--loss-chunk-size; 0 there = automatic)")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
+                                    and softcap > 0):
+        raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
+    grad = torch.is_grad_enabled()
+    return _LinearCrossEntropy.apply(
+        hidden, weight, labels, ignore_index, chunk_size,
+        None if softcap is None else float(softcap), group,
+        grad and hidden.requires_grad, grad and weight.requires_grad)

@@ -1,0 +1,107 @@
+"""Sequence-tiled MLP: a position-wise module run over tiles of tokens inside one autograd node.
+
+Arctic Long Sequence Training's ``TiledMLP`` (ALST, arXiv 2506.13996, Sec. 3.2):
+a SwiGLU MLP's ``[T, ffn_hidden]`` intermediates (the gate, the up projection,
+their product, and what autograd saves of them) are the largest activations of
+a long-context layer. The MLP acts on every token alone, so it can run over
+tiles of ``tile_tokens`` tokens: forward runs each tile without autograd and
+writes its rows of the output; backward recomputes each tile with autograd and
+back-propagates that tile's rows of the incoming gradient, summing the
+parameter gradients over the tiles. Only one tile's intermediates exist at any
+time, and autograd saves only the input ``[T, d]``. Cost: the MLP's forward
+runs twice (once more in backward), as under activation checkpointing.
+
+Unlike ALST's version (which accumulates into ``param.grad`` itself), the
+parameter gradients leave through the autograd node's own outputs, so FSDP2's
+reduce-scatter hooks, gradient accumulation and tied weights behave as with an
+untiled module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+__all__ = ["tiled_mlp", "check_tile_tokens"]
+
+
+def check_tile_tokens(tile_tokens, name: str = "tile_tokens") -> int:
+    """``tile_tokens`` as an int >= 1; TypeError/ValueError naming ``name`` otherwise."""
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int):
+        raise TypeError(f"{name} must be an int (tokens per MLP tile), got "
+                        f"{type(tile_tokens).__name__}")
+    if tile_tokens < 1:
+        raise ValueError(f"{name}={tile_tokens}: must be >= 1 token per MLP tile")
+    return tile_tokens
+
+
+class _TiledMLP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, fn, tile, dim, x, *params):
+        ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
+        ctx.params = params  # the tensors themselves: fn reads them again in backward
+        ctx.save_for_backward(x)
+        return _tiles(fn, tile, dim, x)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        fn, tile, dim = ctx.fn, ctx.tile, ctx.dim
+        need_x, need_p = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
+        params = [p for p, need in zip(ctx.params, need_p, strict=True) if need]
+        grad_x = torch.empty_like(x) if need_x else None
+        acc = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
+                           device=p.device) for p in params]
+        n = x.shape[dim]
+        for s in range(0, n, tile):
+            m = min(tile, n - s)
+            xt = x.narrow(dim, s, m).detach().requires_grad_(need_x)
+            with torch.enable_grad():
+                y = fn(xt)
+            grads = torch.autograd.grad(y, ([xt] if need_x else []) + params,
+                                        grad_out.narrow(dim, s, m), allow_unused=True)
+            if need_x:
+                grad_x.narrow(dim, s, m).copy_(grads[0])
+                grads = grads[1:]
+            for a, g in zip(acc, grads, strict=True):
+                if g is not None:
+                    a += g
+        it = iter([a.to(p.dtype) for a, p in zip(acc, params, strict=True)])
+        return (None, None, None, grad_x, *[next(it) if need else None for need in need_p])
+
+
+def _tiles(fn, tile, dim, x):
+    n = x.shape[dim]
+    outs = [fn(x.narrow(dim, s, min(tile, n - s))) for s in range(0, n, tile)]
+    return torch.cat(outs, dim=dim) if len(outs) != 1 else outs[0]
+
+
+def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_tokens: int,
+              params: Sequence[torch.Tensor], *, dim: int = -2) -> torch.Tensor:
+    """``fn(x)`` computed over tiles of ``tile_tokens`` tokens along ``dim`` (module docstring).
+
+    Args:
+        fn: a position-wise function of ``x`` (e.g. a SwiGLU MLP's forward): row ``i``
+            of its output along ``dim`` depends on row ``i`` of its input only, and on
+            ``params``. Called once per tile in forward (without autograd) and again
+            in backward (with autograd).
+        x: ``[..., T, d]`` (``dim=-2``: the token dimension), any float dtype.
+        tile_tokens: tokens per tile, >= 1; ``T <= tile_tokens`` runs ``fn`` untiled.
+        params: every tensor ``fn`` reads that may need a gradient (the module's
+            parameters, in the order autograd should return them).
+        dim: the token dimension of ``x``.
+
+    Returns: ``fn(x)``, differentiable in ``x`` and ``params``; parameter gradients are
+    summed over tiles in at least float32, then cast to each parameter's dtype.
+
+    Raises: TypeError/ValueError naming ``tile_tokens`` when it is not an int >= 1.
+    """
+    tile = check_tile_tokens(tile_tokens)
+    dim = dim % x.dim()
+    params = list(params)
+    if x.shape[dim] <= tile:
+        return fn(x)
+    if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):
+        return _tiles(fn, tile, dim, x)  # nothing to differentiate: tiles without the node
+    return _TiledMLP.apply(fn, tile, dim, x, *params)

@@ -1,0 +1,192 @@
+"""cp_linear_cross_entropy == cp_cross_entropy(hidden @ weight.T): value and gradients, float64,
+one process and CP groups of 1, 2 and 4 gloo ranks under both placements."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from dist_utils import run_distributed  # noqa: E402
+from utils import assert_close  # noqa: E402
+
+from cp_rope.parallel import (  # noqa: E402
+    PackingCollator,
+    cp_cross_entropy,
+    cp_linear_cross_entropy,
+    cp_shard_indices,
+    shard_batch,
+)
+from cp_rope.parallel.loss import auto_chunk_size  # noqa: E402
+
+
+def _unfused(h, w, labels, group=None, softcap=None):
+    z = h @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return cp_cross_entropy(z, labels, group)
+
+
+def _reference(h, w, labels, softcap=None):
+    """The single-process mean CE in plain torch (no process group involved)."""
+    z = h @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    if bool((labels != -100).any()):
+        return F.cross_entropy(z, labels, ignore_index=-100)
+    return z.sum() * 0.0
+
+
+def _grads(fn, h, w, *args, **kw):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss = fn(h, w, *args, **kw)
+    loss.backward()
+    return loss.detach(), h.grad, w.grad
+
+
+def _data(t, d, v, seed, ignore_frac=0.3, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(t, d, generator=g, dtype=dtype)
+    w = torch.randn(v, d, generator=g, dtype=dtype) * 0.5
+    labels = torch.randint(0, v, (t,), generator=g)
+    labels[torch.rand(t, generator=g) < ignore_frac] = -100
+    return h, w, labels
+
+
+@pytest.mark.parametrize("chunk_size", [1, 7, 64, None])
+@pytest.mark.parametrize("softcap", [None, 3.0])
+def test_equals_unfused_float64(chunk_size, softcap):
+    h, w, labels = _data(61, 12, 29, seed=chunk_size or 0)
+    got = _grads(cp_linear_cross_entropy, h, w, labels, chunk_size=chunk_size, softcap=softcap)
+    ref = _grads(_unfused, h, w, labels, softcap=softcap)
+    assert got[0].dtype == torch.float64
+    for a, b, name in zip(got, ref, ("loss", "dhidden", "dweight"), strict=True):
+        assert_close(a.reshape(-1), b.reshape(-1), name=name)
+
+
+def test_tied_weight_and_no_grad_and_empty():
+    # tied embeddings: the head weight is also read elsewhere; gradients add up
+    h, w, labels = _data(20, 6, 11, seed=1)
+    ids = torch.randint(0, 11, (20,))
+
+    def tied(loss_fn):
+        wt = w.clone().requires_grad_()
+        hidden = torch.tanh(wt[ids] + h)  # "embedding" of the same weight feeds the hidden states
+        loss_fn(hidden, wt, labels).backward()
+        return wt.grad
+
+    assert_close(tied(lambda a, b, c: cp_linear_cross_entropy(a, b, c, chunk_size=3)),
+                 tied(_unfused), name="tied dweight")
+    with torch.no_grad():  # value only
+        assert_close(cp_linear_cross_entropy(h, w, labels, chunk_size=4).reshape(1),
+                     _unfused(h, w, labels).reshape(1), name="no_grad loss")
+    # no tokens at all, and all tokens ignored: 0 and exact zero gradients
+    for hh, yy in ((h[:0], labels[:0]), (h, torch.full_like(labels, -100))):
+        loss, gh, gw = _grads(cp_linear_cross_entropy, hh, w, yy, chunk_size=5)
+        assert loss.item() == 0.0 and torch.count_nonzero(gh) == 0 and torch.count_nonzero(gw) == 0
+        assert gh.shape == hh.shape
+
+
+def test_bfloat16_matches_float64_reference():
+    h, w, labels = _data(50, 16, 37, seed=2, dtype=torch.bfloat16)
+    got = _grads(cp_linear_cross_entropy, h, w, labels, chunk_size=16)
+    ref = _grads(_unfused, h.double(), w.double(), labels)
+    assert got[0].dtype == torch.float32 and got[1].dtype == got[2].dtype == torch.bfloat16
+    for a, b, name in zip(got, ref, ("loss", "dhidden", "dweight"), strict=True):
+        assert_close(a.reshape(-1).double(), b.reshape(-1), dtype=torch.bfloat16, name=name)
+
+
+def test_second_backward_is_refused():
+    h, w, labels = _data(8, 4, 5, seed=3)
+    h.requires_grad_()
+    loss = cp_linear_cross_entropy(h, w, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def test_auto_chunk_size():
+    assert auto_chunk_size(151936) == 768 and auto_chunk_size(128256) == 1024
+    assert auto_chunk_size(320) == 65536 and auto_chunk_size(10**9) == 256
+
+
+@pytest.mark.parametrize("kw, exc, match", [
+    ({"chunk_size": 0}, ValueError, "chunk_size.*--loss-chunk-size"),
+    ({"chunk_size": 2.0}, TypeError, "chunk_size"),
+    ({"softcap": -1.0}, ValueError, "softcap"),
+    ({"weight": torch.zeros(5, 3, dtype=torch.float64)}, ValueError, "weight"),
+    ({"weight": torch.zeros(5, 4, dtype=torch.float32)}, TypeError, "weight"),
+    ({"weight": torch.zeros(5)}, ValueError, "weight"),
+    ({"labels": torch.tensor([0, 1, 5, -100])}, ValueError, r"labels.*weight.shape\[0\]"),
+    ({"hidden": torch.zeros(4, 4, dtype=torch.long)}, TypeError, "hidden"),
+    ({"labels": torch.zeros(3, dtype=torch.long)}, ValueError, "labels"),
+])
+def test_bad_input_names_the_argument(kw, exc, match):
+    args = {"hidden": torch.zeros(4, 4, dtype=torch.float64),
+            "weight": torch.zeros(5, 4, dtype=torch.float64),
+            "labels": torch.tensor([0, 1, 4, -100])}
+    args.update({k: v for k, v in kw.items() if k in args})
+    with pytest.raises(exc, match=match):
+        cp_linear_cross_entropy(args["hidden"], args["weight"], args["labels"],
+                                **{k: v for k, v in kw.items() if k not in args})
+
+
+# ------------------------------------------------------------------------- CP groups
+def _shards(world, placement, seed):
+    """(global batch, per-rank local row indices into it or None for padding, local labels)."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = [37, 5, 0, 64, 9, 1, 22] if placement != "empty" else [6]
+    ex = [{"input_ids": torch.randint(0, 40, (n,), generator=g)} for n in lengths]
+    glob = PackingCollator(cp_size=world)(ex)
+    out = []
+    for r in range(world):
+        if placement == "zigzag":
+            idx = cp_shard_indices(glob.cu_seqlens, world, r)
+            labels = shard_batch(glob, world, r).labels
+            assert torch.equal(labels, glob.labels[idx])
+        elif placement == "per_document":
+            s = shard_batch(glob, world, r, placement="per_document", split_threshold=16)
+            idx = s.placement.indices(r)
+            labels = s.labels
+            assert torch.equal(labels[:idx.numel()], glob.labels[idx])
+        else:  # every token on the last rank, the others hold zero rows
+            idx = torch.arange(glob.num_tokens) if r == world - 1 else torch.arange(0)
+            labels = glob.labels[idx]
+        out.append((idx, labels))
+    return glob, out
+
+
+def _cp_body(rank, world):
+    group = dist.group.WORLD
+    for placement in ("zigzag", "per_document", "empty"):
+        for softcap in (None, 2.5):
+            glob, shards = _shards(world, placement, seed=10 + world)
+            t, d, v = glob.num_tokens, 10, 40
+            g = torch.Generator().manual_seed(99)
+            h = torch.randn(t, d, generator=g, dtype=torch.float64)
+            w = torch.randn(v, d, generator=g, dtype=torch.float64) * 0.5
+            ref = _grads(_reference, h, w, glob.labels, softcap=softcap)  # one process, global
+            idx, labels = shards[rank]
+            n_pad = labels.numel() - idx.numel()
+            local_h = torch.cat([h[idx], torch.randn(n_pad, d, generator=g, dtype=torch.float64)])
+            tag = f"{placement} cp {world} rank {rank} softcap {softcap}"
+            for fn, kw in ((cp_linear_cross_entropy, {"chunk_size": 8, "softcap": softcap}),
+                           (_unfused, {"softcap": softcap})):
+                loss, gh, gw = _grads(fn, local_h, w, labels, group, **kw)
+                assert_close(loss.reshape(1), ref[0].reshape(1), name=f"loss {tag} {fn.__name__}")
+                assert_close(gh[:idx.numel()], ref[1][idx], name=f"dhidden {tag}")
+                assert torch.count_nonzero(gh[idx.numel():]) == 0, f"padding dhidden {tag}"
+                dist.all_reduce(gw, group=group)  # the trainer's gradient SUM
+                assert_close(gw, ref[2], name=f"dweight {tag} {fn.__name__}")
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_cp_group_equals_single_process(world):
+    run_distributed(_cp_body, world)
