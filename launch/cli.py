@@ -53,6 +53,7 @@ from .config import (
     TrainConfig,
     preset,
 )
+from .offload import checkpoint_flag_argv
 
 __all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
 
@@ -219,7 +220,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         SystemExit: ``--help`` (status 0) or a malformed flag (status 2; tyro prints the
             error on rank 0 only, as ``--help``, when run under torchrun).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
     name = _last_value(argv, "--preset") or "tiny"
     cfg = preset(name) if name in PRESETS else preset("tiny")  # an unknown name: tyro reports it
     path = _last_value(argv, "--config")

@@ -57,8 +57,18 @@ class ModelConfig:
     """Longest global sequence the RoPE cache covers, in tokens; 0 = data.seq_len."""
     init_std: float = 0.02
     """Standard deviation of the normal weight init (output projections are scaled by 1/sqrt(2 n_layers))."""
-    activation_checkpointing: bool = False
-    """Recompute each block's activations in backward (less memory, ~30% more compute)."""
+    fused_loss: bool = True
+    """Compute the loss from the final hidden states and the output weight in chunks of loss_chunk_size tokens (cp_rope.parallel.cp_linear_cross_entropy), so the [tokens, vocab_size] logits never exist whole; --no-fused-loss materialises the logits and runs cp_cross_entropy on them. Same value and gradients."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for a 151,936-token vocabulary)."""
+    mlp_tile_tokens: int = 0
+    """Sequence-tiled MLP (ALST's TiledMLP): run each SwiGLU MLP over tiles of this many tokens inside one autograd node, recomputing each tile in backward, so the [tokens, ffn_hidden_dim] intermediates exist one tile at a time; 0 = off. Same gradients; the MLP forward runs twice."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute activations in backward: none; full (keep each block's input, recompute the rest: least memory, ~30% more compute); selective (also keep the attention output and its LSE: norms, projections and the MLP are recomputed, attention is not). A bare --activation-checkpointing means full."""
+    offload_activations: bool = False
+    """Keep what each block saves for backward (its input under checkpointing) in pinned host memory, copied on a side stream and prefetched one block ahead in backward."""
+    memory: Literal["manual", "auto"] = "manual"
+    """manual: the memory flags as given; auto: python -m cp_rope.launch.plan_memory picks the cheapest --activation-checkpointing / --offload-activations that fit the GPU (an error says what it would need when nothing fits)."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -222,7 +232,7 @@ def llama3_8b() -> PretrainConfig:
     """Llama-3-8B shapes (dim 4096, 32 layers, 32/8 heads, SwiGLU 14336, RoPE base 500000)."""
     return PretrainConfig(
         model=ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,
-                          rope_base=500000.0, activation_checkpointing=True),
+                          rope_base=500000.0, activation_checkpointing="full"),
         data=DataConfig(seq_mode="concat", seq_len=131072, tokens_per_batch=131072),
         optim=OptimConfig(lr=3e-4, warmup_steps=100),
         train=TrainConfig(steps=1000, log_every=1))
@@ -281,6 +291,12 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(m.norm_eps > 0, "model.norm_eps", m.norm_eps, "must be > 0")
     _require(m.rope_base > 1, "model.rope_base", m.rope_base, "must be > 1")
     _require(m.init_std > 0, "model.init_std", m.init_std, "must be > 0")
+    _require(m.loss_chunk_size >= 0, "model.loss_chunk_size", m.loss_chunk_size,
+             "must be >= 0 tokens per fused-loss chunk (0 = automatic)")
+    _require(m.loss_chunk_size == 0 or m.fused_loss, "model.loss_chunk_size", m.loss_chunk_size,
+             "is for the fused loss only (this run: --no-fused-loss)")
+    _require(m.mlp_tile_tokens >= 0, "model.mlp_tile_tokens", m.mlp_tile_tokens,
+             "must be >= 0 tokens per MLP tile (0 = off)")
     _require(m.max_seq_len == 0 or m.max_seq_len >= d.seq_len, "model.max_seq_len", m.max_seq_len,
              f"must be 0 or >= data.seq_len={d.seq_len}")
     _require(p.cp_size >= 1, "parallel.cp_size", p.cp_size, "must be >= 1")

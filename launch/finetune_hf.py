@@ -46,6 +46,7 @@ import shutil
 import sys
 import warnings
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ from .config import (
     validate,
 )
 from .data import load_tokenizer
+from .offload import checkpoint_flag_argv
 from .pretrain import set_up, setup_distributed, summarize, train_loop
 
 __all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
@@ -91,8 +93,12 @@ class HFConfig:
     """Local directory with config.json and optionally weights (model.safetensors / pytorch_model.bin); a config alone gives a random init from --seed. Never downloaded. Required."""
     rope_kernel: bool = True
     """RoPE by cp_rope's THD kernel (CP positions in-kernel); --no-rope-kernel keeps the model's own rotary embedding (on the global position_ids)."""
-    activation_checkpointing: bool = False
-    """transformers' gradient checkpointing of every decoder layer (less memory, ~30% more compute)."""
+    activation_checkpointing: Literal["none", "full", "selective"] = "none"
+    """Recompute each decoder layer's activations in backward: none; full (keep the layer input); selective (also keep the attention output and its LSE; norms, projections and the MLP are recomputed). A bare --activation-checkpointing means full (cp_rope.launch.offload; transformers' own gradient checkpointing is not used)."""
+    offload_activations: bool = False
+    """Keep what each decoder layer saves for backward in pinned host memory (side-stream copies, prefetched one layer ahead)."""
+    memory: Literal["manual", "auto"] = "manual"
+    """auto: the cheapest --activation-checkpointing / --offload-activations that fit the GPU (cp_rope.launch.plan_memory); manual: as given."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -118,7 +124,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
 
     Raises: SystemExit on ``--help`` (0) or a malformed flag (2, tyro's message).
     """
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
     return tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
                     config=(tyro.conf.OmitArgPrefixes,),
                     console_outputs=os.environ.get("RANK", "0") == "0")
@@ -178,7 +184,8 @@ def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
                        vocab_size=hf_config.vocab_size,
                        norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
                        rope_base=float(rope.get("rope_theta", 10000.0)), max_seq_len=0,
-                       activation_checkpointing=hf.activation_checkpointing)
+                       activation_checkpointing=hf.activation_checkpointing,
+                       offload_activations=hf.offload_activations, memory=hf.memory)
 
 
 def resolve(fc: FinetuneConfig) -> PretrainConfig:
@@ -222,8 +229,7 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
         lm, _ = load_causal_lm(fc.hf.model, dtype=torch.float32, seed=fc.train.seed)
     except ValueError as exc:  # damaged or mismatched weight files, named
         raise ConfigError(f"hf.{exc}") from None
-    if fc.hf.activation_checkpointing:
-        lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # activation checkpointing / offload: parallelize wraps self.layers (cp_rope.launch.offload)
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel)
 
 

@@ -6,11 +6,15 @@ One function per concern, applied by :func:`parallelize` in this order:
    :func:`cp_rope.parallel.context_parallel_attention` over the mesh's ``"cp"``
    group (and the RoPE positions of the zigzag shard). First, because it only
    sets how attention runs, on the plain modules.
-2. :func:`apply_activation_checkpointing` -- each
-   :class:`~cp_rope.launch.model.TransformerBlock` recomputes its activations
-   in backward. Before FSDP2, so that each FSDP unit holds a checkpointed block:
-   its parameters are gathered once per forward and once per backward, and the
-   recomputation (the CP collectives included) runs inside that backward.
+2. :func:`apply_activation_checkpointing` -- each layer (cp_rope's
+   :class:`~cp_rope.launch.model.TransformerBlock` or a transformers decoder
+   layer) recomputes its activations in backward (``model.activation_checkpointing``:
+   ``full``, or ``selective``, which keeps the attention outputs), and/or keeps
+   what it saves in pinned host memory (``model.offload_activations``); see
+   :mod:`cp_rope.launch.offload`. Before FSDP2, so that each FSDP unit holds a
+   checkpointed layer: its parameters are gathered once per forward and once per
+   backward, and the recomputation (the CP collectives included) runs inside
+   that backward.
 3. :func:`apply_fsdp` -- FSDP2 ``fully_shard`` over all dp x cp ranks, one unit
    per block plus the root (ZeRO-3, bf16 compute on fp32 master weights), or,
    without FSDP (the CPU default), a plain cast to the compute dtype; the
@@ -29,9 +33,10 @@ from cp_rope.parallel.mesh import ParallelDims
 
 from .config import PretrainConfig
 from .model import Transformer
+from .offload import CHECKPOINT_MODES, ActivationOffloader, wrap_layer
 
 __all__ = ["parallelize", "apply_cp", "apply_activation_checkpointing", "apply_fsdp",
-           "compute_dtype", "uses_fsdp", "flat_mesh"]
+           "compute_dtype", "uses_fsdp", "flat_mesh", "checkpoint_mode"]
 
 
 def compute_dtype(cfg: PretrainConfig, device_type: str) -> torch.dtype:
@@ -61,12 +66,37 @@ def apply_cp(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
                               ulysses_size=p.ulysses_size if p.cp_method == "hybrid" else None)
 
 
-def apply_activation_checkpointing(model: Transformer) -> None:
-    """Every block recomputes its activations in backward (see
-    :class:`~cp_rope.launch.model.TransformerBlock`); parameter names are unchanged,
-    so checkpoints load with or without it."""
-    for block in model.layers:
-        block.checkpoint_activations = True
+def checkpoint_mode(value: str | bool) -> str:
+    """``model.activation_checkpointing`` as a mode of :data:`~cp_rope.launch.offload.CHECKPOINT_MODES`
+    (the former boolean: True = ``"full"``, False = ``"none"``).
+
+    Raises: ValueError naming the field for anything else.
+    """
+    if isinstance(value, bool):
+        return "full" if value else "none"
+    if value not in CHECKPOINT_MODES:
+        raise ValueError(f"model.activation_checkpointing={value!r}: expected one of "
+                         f"{list(CHECKPOINT_MODES)}")
+    return value
+
+
+def apply_activation_checkpointing(model: Transformer, mode: str | bool = "full", *,
+                                   offload: bool = False) -> ActivationOffloader | None:
+    """Checkpoint every layer of ``model.layers`` with ``mode`` and, with ``offload``, keep what
+    each layer saves in (pinned) host memory (:func:`cp_rope.launch.offload.wrap_layer`).
+
+    ``"full"`` keeps each layer's inputs, ``"selective"`` also the attention
+    kernels' outputs (out and LSE; norms, projections and the MLP are recomputed),
+    ``"none"`` everything autograd saves. Gradients are the same in every mode.
+    Parameter names do not change, so checkpoints load with or without it.
+
+    Returns: the :class:`~cp_rope.launch.offload.ActivationOffloader` (``offload``) or None.
+    """
+    mode = checkpoint_mode(mode)
+    offloader = ActivationOffloader() if offload else None
+    for i, layer in enumerate(model.layers):
+        wrap_layer(layer, i, mode, offloader)
+    return offloader
 
 
 def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype) -> None:
@@ -90,14 +120,15 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> No
         model: the freshly built, unsharded model (fp32, on the mesh's device).
         mesh: the 2-D ``("dp", "cp")`` DeviceMesh of the job
             (:meth:`cp_rope.parallel.mesh.ParallelDims.build_mesh`).
-        cfg: ``parallel`` (CP method, backends, fsdp), ``model.activation_checkpointing``
-            and ``train.dtype`` are read.
+        cfg: ``parallel`` (CP method, backends, fsdp), ``model.activation_checkpointing``,
+            ``model.offload_activations`` and ``train.dtype`` are read.
 
     The order and the reasons are in this module's docstring.
     """
     apply_cp(model, mesh, cfg)
-    if cfg.model.activation_checkpointing:
-        apply_activation_checkpointing(model)
+    mode = checkpoint_mode(cfg.model.activation_checkpointing)
+    if mode != "none" or cfg.model.offload_activations:
+        apply_activation_checkpointing(model, mode, offload=cfg.model.offload_activations)
     dtype = compute_dtype(cfg, mesh.device_type)
     if uses_fsdp(cfg, mesh.device_type):
         apply_fsdp(model, flat_mesh(mesh), dtype)

@@ -1,0 +1,187 @@
+"""Activation checkpointing modes and activation offload (cp_rope.launch.offload): the gradients
+of every mode equal those without checkpointing (float64, bit for bit on CPU), selective keeps
+the attention kernels' outputs instead of recomputing them, offloaded tensors come back exactly,
+the resume guarantee holds with offload on, and the old boolean flag still parses."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from utils import tiny_pretrain_argv
+
+from cp_rope.launch.config import ModelConfig
+from cp_rope.launch.model import Transformer
+from cp_rope.launch.offload import (
+    ActivationOffloader,
+    checkpoint_flag_argv,
+    is_attention_op,
+    selective_context,
+    wrap_layer,
+)
+from cp_rope.launch.parallelize import apply_activation_checkpointing, checkpoint_mode
+
+MODES = [("none", True), ("full", False), ("full", True), ("selective", False), ("selective", True)]
+
+
+def _grads(model: nn.Module, loss_fn) -> dict[str, torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    loss_fn(model).backward()
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("mode,offload", MODES)
+def test_native_model_modes_give_the_same_gradients(mode, offload):
+    """cp_rope's Transformer (float32: its RoPE kernel's widest dtype; reference attention, two
+    documents): gradients of every mode == no checkpointing, bit for bit; offload moved tensors
+    to host copies."""
+    cfg = ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=48,
+                      vocab_size=50, max_seq_len=64)
+    torch.manual_seed(0)
+    ids = torch.randint(0, 50, (41,))
+    cu = torch.tensor([0, 19, 41], dtype=torch.int32)
+
+    def loss(m):
+        return m(ids, cu, 22).log_softmax(-1).square().mean()
+
+    torch.manual_seed(1)
+    ref = Transformer(cfg)
+    torch.manual_seed(1)
+    model = Transformer(cfg)
+    offloader = apply_activation_checkpointing(model, mode, offload=offload)
+    assert [b.checkpoint_mode for b in model.layers] == [mode] * 3
+    if offload:
+        offloader.min_bytes = 0
+    expected, got = _grads(ref, loss), _grads(model, loss)
+    assert expected.keys() == got.keys()
+    for name, g in expected.items():
+        assert torch.equal(got[name], g), f"{mode} offload={offload}: {name}"
+    if offload:
+        assert offloader.bytes_offloaded > 0 and not offloader._pending
+
+
+class _SDPABlock(nn.Module):
+    """A pre-norm attention + MLP block over torch's SDPA (CPU flash kernel in float32)."""
+
+    def __init__(self, d=16, h=2):
+        super().__init__()
+        self.h, self.norm = h, nn.RMSNorm(d)
+        self.qkv, self.o = nn.Linear(d, 3 * d, bias=False), nn.Linear(d, d, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d))
+
+    def forward(self, x):
+        t, d = x.shape[-2:]
+        q, k, v = self.qkv(self.norm(x)).view(1, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + self.o(a.transpose(1, 2).reshape(1, t, d))
+        return h + self.mlp(h)
+
+
+class _CountAttention(torch.utils._python_dispatch.TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.calls += is_attention_op(func)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_selective_replays_the_attention_kernels(offload):
+    """selective: each layer's attention kernel runs once (forward), not again in the
+    recomputation; full: twice; the gradients equal those without checkpointing."""
+    torch.manual_seed(0)
+    layers = [nn.ModuleList(_SDPABlock() for _ in range(2)) for _ in range(3)]
+    layers[1].load_state_dict(layers[0].state_dict())
+    layers[2].load_state_dict(layers[0].state_dict())
+    x = torch.randn(1, 24, 16)
+    calls, grads = {}, {}
+    for mode, stack in zip(("none", "full", "selective"), layers, strict=True):
+        off = ActivationOffloader(min_bytes=0) if offload else None
+        for i, block in enumerate(stack):
+            wrap_layer(block, i, mode, off)
+        with _CountAttention() as count:
+            h = x
+            for block in stack:
+                h = block(h)
+            h.square().mean().backward()
+        calls[mode] = count.calls
+        grads[mode] = [p.grad for p in stack.parameters()]
+    assert calls == {"none": 2, "full": 4, "selective": 2}, calls
+    for mode in ("full", "selective"):
+        for a, b in zip(grads["none"], grads[mode], strict=True):
+            assert torch.equal(a, b), mode
+
+
+def test_selective_refuses_a_recomputation_that_diverges():
+    fwd, rec = selective_context()
+    q = torch.randn(1, 2, 8, 4)
+    with fwd:
+        F.scaled_dot_product_attention(q, q, q)
+    fwd.kept.clear()  # as if the forward had made no attention call
+    with pytest.raises(RuntimeError, match="recomputation called"), rec:
+        F.scaled_dot_product_attention(q, q, q)
+
+
+def test_offloader_brings_back_views_and_shared_storage_once():
+    """Two views of one storage are copied once; both come back with their own shapes; the
+    gradients are those of the plain graph; small tensors stay put."""
+    off = ActivationOffloader(min_bytes=64)
+    w = torch.randn(6, 6, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(6, 6, dtype=torch.float64)
+
+    def f():
+        y = x @ w  # saves x (288 bytes) ...
+        return (y.t() * y.t()).sum() + (y[:2] ** 3).sum()  # ... and views of y
+
+    expected = torch.autograd.grad(f(), w)[0]
+    with off.layer(0):
+        z = f()
+    z.backward()
+    assert torch.equal(w.grad, expected)
+    assert off.bytes_offloaded == 2 * 36 * 8  # x and y's storage, once each
+    with pytest.raises(ValueError, match="min_bytes"):
+        ActivationOffloader(min_bytes=-1)
+
+
+def test_bad_mode_names_the_field():
+    with pytest.raises(ValueError, match="model.activation_checkpointing='some'"):
+        checkpoint_mode("some")
+    assert checkpoint_mode(True) == "full" and checkpoint_mode(False) == "none"
+    with pytest.raises(ValueError, match="mode must be one of"):
+        wrap_layer(nn.Linear(2, 2), 0, "partial")
+
+
+def test_the_former_boolean_flag_still_parses():
+    from cp_rope.launch.cli import parse_args
+
+    assert checkpoint_flag_argv(["--activation-checkpointing"]) == ["--activation-checkpointing",
+                                                                    "full"]
+    for argv, mode in ((["--activation-checkpointing", "--dim", "64"], "full"),
+                       (["--activation-checkpointing", "selective"], "selective"),
+                       (["--no-activation-checkpointing"], "none"), ([], "none"),
+                       (["--preset", "8b"], "full")):
+        cfg = parse_args(argv)
+        assert cfg.model.activation_checkpointing == mode, argv
+    cfg = parse_args(["--offload-activations", "--memory", "auto"])
+    assert cfg.model.offload_activations and cfg.model.memory == "auto"
+
+
+def test_resume_bit_for_bit_with_offload_and_selective(tmp_path):
+    """Steps 1..4 at once == steps 1..2, checkpoint, resume, 3..4 with --offload-activations
+    --activation-checkpointing selective (one process, CPU)."""
+    from cp_rope.launch.pretrain import main
+
+    flags = tiny_pretrain_argv(max_docs=20) + ["--activation-checkpointing", "selective",
+                                               "--offload-activations", "--steps", "4"]
+    full = main(flags + ["--out-dir", str(tmp_path / "full")])
+    main(flags + ["--out-dir", str(tmp_path / "split"), "--stop-at-step", "2"])
+    second = main(flags + ["--out-dir", str(tmp_path / "split"), "--resume"])
+    assert second["start_step"] == 2
+    for step in (3, 4):
+        assert second["losses"][step] == full["losses"][step], step
+    assert all(math.isfinite(v) for v in full["losses"].values())
