@@ -25,6 +25,7 @@ _EXPORTS = {
     "PackedIterableDataset": "streaming",
     # zigzag CP split
     "cp_shard_indices": "sharding",
+    "rank_major_index": "sharding",
     "shard_tensor": "sharding",
     "shard_batch": "sharding",
     "unshard": "sharding",
@@ -35,9 +36,14 @@ _EXPORTS = {
     "default_split_threshold": "placement",
     "per_document_attention": "per_document",
     "PerDocumentPlan": "per_document",
-    # CP attention
+    # CP attention: one plan per batch, one door
+    "attention_plan": "attention",
     "context_parallel_attention": "attention",
     "CPAttentionPlan": "plan",
+    # the one list of each choice
+    "METHODS": "choices",
+    "BACKENDS": "choices",
+    "PLACEMENTS": "choices",
     "comm_volume": "ulysses",
     # loss
     "cp_cross_entropy": "loss",

@@ -24,38 +24,58 @@ import torch.distributed as dist
 
 from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 
-from .attention import context_parallel_attention
+from ._blocks import get_backend
+from ._dispatch import run_plan
+from ._schedule import to_device
+from .choices import BACKEND_CHOICES, METHODS
 from .placement import DocumentPlacement, check_group_size, check_local_cu_seqlens
-from .plan import METHODS, CPAttentionPlan, _check_across_ranks
+from .plan import (
+    CPAttentionPlan,
+    FrozenPlan,
+    check_across_ranks,
+    check_device,
+    check_softmax_scale,
+    check_tensors,
+)
 from .ulysses import check_ulysses_args
 
 __all__ = ["PerDocumentPlan", "per_document_attention"]
 
 
-class PerDocumentPlan:
+class PerDocumentPlan(FrozenPlan):
     """The attention plan of a per-document shard (:mod:`cp_rope.parallel.placement`).
 
     The shard's first ``split_rows`` rows are the zigzag shares of the split documents
     (the same local lengths on every rank): ``split`` (a :class:`CPAttentionPlan` over
     the group; None when the batch has no split document) runs them by the CP method.
     The other rows (the rank's whole documents, then trailing padding) are plain local
-    attention, ``whole`` (a one-rank plan: no communication). Build once per batch with
-    :meth:`build` and pass as ``plan=`` to every layer; attributes: ``placement``,
-    ``split``, ``whole``, ``split_rows``, ``n_tokens``, ``group`` (the split plan's
-    group; None without split documents or at cp_size 1), ``cp_rank``.
+    attention, ``whole`` (a one-rank plan: no communication). Build once per batch
+    (:func:`cp_rope.parallel.attention_plan` or :meth:`build`) and pass as ``plan=`` to
+    every layer's :func:`~cp_rope.parallel.context_parallel_attention`. Read-only
+    attributes: ``placement``, ``split``, ``whole``, ``split_rows``, ``n_tokens``,
+    ``group`` (the split plan's group; None without split documents or at cp_size 1),
+    ``cp_rank``, ``method``, ``causal``, ``ulysses_size``, ``softmax_scale``, ``backend``,
+    ``cu_seqlens`` / ``max_seqlen`` (this rank's local ones); ``kind`` =
+    ``"per_document"``.
     """
 
-    __slots__ = ("placement", "split", "whole", "split_rows", "n_tokens", "group", "cp_rank")
+    __slots__ = ("placement", "split", "whole", "split_rows", "n_tokens", "group", "cp_rank",
+                 "method", "causal", "ulysses_size", "softmax_scale", "backend", "cu_seqlens",
+                 "max_seqlen", "_rope")
+
+    kind = "per_document"
 
     @classmethod
     def build(cls, placement: DocumentPlacement, *, q_heads: int, kv_heads: int, head_dim: int,
               dtype: torch.dtype, device: torch.device | str, n_tokens: int | None = None,
               group: dist.ProcessGroup | None = None, causal: bool = True, method: str = "ring",
-              seq_lens: torch.Tensor | None = None,
-              ulysses_size: int | None = None) -> PerDocumentPlan:
+              seq_lens: torch.Tensor | None = None, ulysses_size: int | None = None,
+              softmax_scale: float | None = None, backend: str | None = None,
+              _check=None) -> PerDocumentPlan:
         """Build the plan of this rank's shard; collective over ``group`` (more than one rank):
-        one ``all_gather_object`` of the ranks' argument checks and placement digest, and
-        the split part's :meth:`CPAttentionPlan.build` when the batch has split documents.
+        one ``all_gather_object`` of the ranks' argument checks, arguments and placement
+        digest, and the split part's :meth:`CPAttentionPlan.build` when the batch has split
+        documents.
 
         Args: as :meth:`CPAttentionPlan.build`, with the batch's ``placement`` instead of
         ``cu_seqlens`` / ``max_seqlen``; ``n_tokens`` defaults to ``placement.n_rows``;
@@ -68,8 +88,12 @@ class PerDocumentPlan:
         (:func:`~cp_rope.parallel.ulysses.check_ulysses_args`) even when the batch has no
         split document to run them; as :meth:`CPAttentionPlan.build` otherwise.
         RuntimeError on every rank (group of more than one rank) if one rank's arguments
-        fail or the ranks' placements differ (another batch), before any exchange.
+        fail or the ranks' placements or arguments differ (another batch), before any
+        exchange.
         """
+        if group is not None and not isinstance(group, dist.ProcessGroup):
+            raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
+                            f"{type(group).__name__}")
         if group is not None and dist.get_world_size(group) == 1:
             group = None
         size = dist.get_world_size(group) if group is not None else 1
@@ -79,26 +103,35 @@ class PerDocumentPlan:
             return CPAttentionPlan.build(cu, max_seqlen, group=group, ulysses_size=ulysses_size,
                                          **kw)
 
-        def check():  # the method too: a batch without split documents never runs it
+        error, sig = None, None
+        try:  # a rank whose arguments fail must not leave the others waiting
+            if _check is not None:
+                _check()
             _check_local(placement, size, rank, n_tokens, seq_lens)
-            check_choice("method", method, METHODS)
+            check_choice("method", method, METHODS)  # a batch without split documents too
             check_ulysses_args(method, ulysses_size, size, q_heads, kv_heads)
-
-        if group is not None:  # a rank whose arguments fail must not leave the others waiting
-            error = None
-            try:
-                check()
-            except (TypeError, ValueError) as exc:
-                error = exc
-            # and on the placement: a rank with split documents builds the split plan (a
+            check_bool("causal", causal)
+            softmax_scale = check_softmax_scale(softmax_scale)
+            if backend is not None:
+                check_choice("backend", backend, BACKEND_CHOICES)
+            # and the placement: a rank with split documents builds the split plan (a
             # collective) while one whose placement has none would not join it
-            same = None if error is not None else _fingerprint(placement)
-            _check_across_ranks(group, {"placement": same}, error)
-        else:
-            check()
+            sig = {"layout": "per_document", "placement": _fingerprint(placement),
+                   "shape": (q_heads, kv_heads, head_dim), "dtype": str(dtype),
+                   "n_tokens": n_tokens, "causal": causal, "method": method,
+                   "ulysses_size": ulysses_size, "softmax_scale": softmax_scale,
+                   "backend": backend}
+        except (TypeError, ValueError) as exc:
+            error = exc
+        if group is not None:
+            check_across_ranks(group, sig, error)
+        elif error is not None:
+            raise error
         return cls._assemble(placement, size, rank, split, q_heads=q_heads, kv_heads=kv_heads,
                              head_dim=head_dim, dtype=dtype, device=device, n_tokens=n_tokens,
-                             causal=causal, method=method, seq_lens=seq_lens)
+                             causal=causal, method=method, seq_lens=seq_lens,
+                             ulysses_size=ulysses_size, softmax_scale=softmax_scale,
+                             backend=backend)
 
     @classmethod
     def simulated(cls, placement: DocumentPlacement, cp_rank: int, **kwargs) -> PerDocumentPlan:
@@ -122,13 +155,17 @@ class PerDocumentPlan:
 
     @classmethod
     def _assemble(cls, placement, size, rank, split_plan, *, q_heads, kv_heads, head_dim, dtype,
-                  device, n_tokens=None, causal=True, method="ring", seq_lens=None):
+                  device, n_tokens=None, causal=True, method="ring", seq_lens=None,
+                  ulysses_size=None, softmax_scale=None, backend=None):
         cu, n_tokens = _check_local(placement, size, rank, n_tokens, seq_lens)
+        device = check_device(device)
         ns, rows = placement.num_split, placement.split_rows
         kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
-                  causal=causal)
+                  causal=causal, softmax_scale=softmax_scale, backend=backend)
         self = object.__new__(cls)
         self.placement, self.split_rows, self.n_tokens, self.cp_rank = placement, rows, n_tokens, rank
+        self.method, self.causal, self.ulysses_size = method, causal, ulysses_size
+        self.softmax_scale, self.backend = softmax_scale, backend
         self.split = None if ns == 0 else split_plan(
             cu[:ns + 1], placement.split_max_seqlen, n_tokens=rows, method=method,
             seq_lens=None if seq_lens is None else seq_lens[:ns], **kw)
@@ -136,7 +173,50 @@ class PerDocumentPlan:
         self.whole = CPAttentionPlan.build(
             cu[ns:] - cu[ns], placement.whole_max_seqlen(rank), n_tokens=n_tokens - rows,
             method="ring", seq_lens=None if seq_lens is None else seq_lens[ns:], **kw)
+        self.cu_seqlens = to_device(cu, device)
+        self.max_seqlen = placement.max_seqlen(rank)
+        self._rope = None
+        self._freeze(seq_lens)
         return self
+
+    def rope_args(self) -> dict:
+        """Keyword arguments of :func:`cp_rope.apply_rotary_emb_qk` for this shard:
+        ``cu_seqlens`` (local), ``position_ids`` (int32 ``[n_tokens]``: each row's position
+        in its global sequence; 0 on trailing padding rows) and ``max_position_id``. Built
+        on the host once per plan (no sync), then cached."""
+        if self._rope is None:
+            pos = self.placement.position_ids(self.cp_rank)
+            full = torch.zeros(self.n_tokens, dtype=torch.int32)
+            full[: pos.numel()] = pos
+            object.__setattr__(self, "_rope", {
+                "cu_seqlens": self.cu_seqlens, "position_ids": to_device(full, self.whole.device),
+                "max_position_id": self.placement.max_position_id(self.cp_rank)})
+        return dict(self._rope)
+
+    def check_call(self, q, cu_seqlens, max_seqlen, placement, group, causal, method, seq_lens,
+                   ulysses_size, softmax_scale, backend) -> None:
+        """Raise ValueError naming ``plan`` if a call's arguments are not this plan's batch
+        (host checks, no sync; None: the plan's)."""
+        if placement is not None and placement is not self.placement:
+            raise ValueError("plan: built for another placement (build a plan per batch)")
+        if seq_lens is not None:
+            raise ValueError("plan: seq_lens goes to the plan's build (pass seq_lens=None "
+                             "with a plan)")
+        if group is not None and dist.get_world_size(group) > 1 and self.split is not None \
+                and group is not self.group:
+            raise ValueError("plan: built for another CP group (pass the plan's group or None)")
+        for name, got, want in (("causal", causal, self.causal), ("method", method, self.method),
+                                ("ulysses_size", ulysses_size, self.ulysses_size),
+                                ("softmax_scale", softmax_scale, self.softmax_scale),
+                                ("backend", backend, self.backend)):
+            if got is not None and want is not None and got != want:
+                raise ValueError(f"plan: built for {name}={want!r}, got {name}={got!r} (pass "
+                                 f"None to use the plan's)")
+        _check_rows(self.placement, self.cp_rank, q, cu_seqlens, max_seqlen, self.n_tokens)
+        self.check_unchanged()
+        for part in (self.split, self.whole):
+            if part is not None:
+                part.check_unchanged()
 
     def __repr__(self) -> str:
         return (f"PerDocumentPlan(cp={self.cp_rank}/{self.placement.cp_size}, "
@@ -168,6 +248,18 @@ def _check_local(placement, size, rank, n_tokens, seq_lens):
     return cu, n_tokens
 
 
+def _check_rows(placement, r, q, cu_seqlens, max_seqlen, n_tokens) -> None:
+    """A per-document call's cu_seqlens / max_seqlen / T against the placement (host)."""
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, device=q.device)
+        check_local_cu_seqlens(placement, cu_seqlens, r)
+    if max_seqlen is not None and max_seqlen < placement.max_seqlen(r):
+        raise ValueError(f"max_seqlen = {max_seqlen} is below rank {r}'s longest local sequence "
+                         f"({placement.max_seqlen(r)})")
+    if n_tokens is not None and q.shape[0] != n_tokens:
+        raise ValueError(f"plan: built for T={n_tokens} rows, got q {tuple(q.shape)}")
+
+
 def per_document_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -178,15 +270,19 @@ def per_document_attention(
     placement: DocumentPlacement | None = None,
     plan: PerDocumentPlan | None = None,
     group: dist.ProcessGroup | None = None,
-    causal: bool = True,
+    causal: bool | None = None,
     softmax_scale: float | None = None,
-    method: str = "ring",
-    backend: str = "auto",
+    method: str | None = None,
+    backend: str | None = None,
     seq_lens: torch.Tensor | None = None,
     ulysses_size: int | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a per-document shard: equals attention over the global sequences.
+
+    Kept for existing callers: the same as
+    ``context_parallel_attention(q, k, v, ..., placement=placement)`` /
+    ``context_parallel_attention(q, k, v, plan=plan)`` with a :class:`PerDocumentPlan`.
 
     Args:
         q: ``[T, Hq, D]``, k, v: ``[T, Hkv, D]``: this rank's shard (``T = placement.n_rows``
@@ -199,8 +295,9 @@ def per_document_attention(
         plan: a :class:`PerDocumentPlan` of the batch (built once, reused by every layer).
         group: the CP group (size ``placement.cp_size``); with ``plan``: None or the plan's.
         causal, softmax_scale, method, backend, ulysses_size, return_lse: as
-            :func:`context_parallel_attention`; the method (and ``ulysses_size``) runs
-            the split documents; with ``plan``: the plan's.
+            :func:`context_parallel_attention` (None: the plan's, or causal, 1/sqrt(D), ring
+            and auto without one); the method (and ``ulysses_size``) runs the split
+            documents.
         seq_lens: ``causal=False`` only, without ``plan``: int ``[B_r]`` true lengths of
             the *local* sequences (``batch.seq_lens[placement.seq_ids(r)]``).
 
@@ -209,42 +306,45 @@ def per_document_attention(
     no document returns zeros.
 
     Raises: TypeError / ValueError naming the argument (no placement or plan, a plan of
-    another placement, cu_seqlens / max_seqlen / T that do not match it); as
-    :func:`context_parallel_attention` for the rest.
+    another placement, cu_seqlens / max_seqlen / T that do not match it); without a plan
+    these are checked inside the plan build's agreement, so a rank's bad argument raises
+    on every rank; as :func:`context_parallel_attention` for the rest.
     """
-    check_bool("return_lse", return_lse)  # only read here: the parts always return the LSE
     if plan is None:
         if placement is None:
             raise ValueError("placement: pass the batch's placement (batch.placement) or a plan")
-        if not isinstance(placement, DocumentPlacement):
-            raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+
+        def check():  # inside the build's agreement: one rank's error reaches every rank
+            check_tensors(q, k, v)
+            check_bool("return_lse", return_lse)
+            if not isinstance(placement, DocumentPlacement):
+                raise TypeError(f"placement must be a DocumentPlacement, got "
+                                f"{type(placement).__name__}")
+            multi = group is not None and dist.get_world_size(group) > 1
+            check_group_size(placement, dist.get_world_size(group) if multi else 1)
+            _check_rows(placement, dist.get_rank(group) if multi else 0, q, cu_seqlens,
+                        max_seqlen, None)
+
+        ok = check_tensors(q, k, v, raise_=False)
         plan = PerDocumentPlan.build(
-            placement, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
-            dtype=q.dtype, device=q.device, n_tokens=q.shape[0], group=group, causal=causal,
-            method=method, seq_lens=seq_lens, ulysses_size=ulysses_size)
+            placement, q_heads=q.shape[1] if ok else 1, kv_heads=k.shape[1] if ok else 1,
+            head_dim=q.shape[2] if ok else 1, dtype=q.dtype if ok else torch.float32,
+            device=q.device if ok else "cpu", n_tokens=q.shape[0] if ok else None, group=group,
+            causal=True if causal is None else causal, method=method or "ring",
+            seq_lens=seq_lens, ulysses_size=ulysses_size, softmax_scale=softmax_scale,
+            backend=backend, _check=check)
     elif not isinstance(plan, PerDocumentPlan):
         raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
                         f"{type(plan).__name__}")
     else:
-        if placement is not None and placement is not plan.placement:
-            raise ValueError("plan: built for another placement (build a plan per batch)")
-        if seq_lens is not None:
-            raise ValueError("plan: seq_lens goes to PerDocumentPlan.build (pass seq_lens=None "
-                             "with a plan)")
-        if group is not None and dist.get_world_size(group) > 1 and plan.split is not None \
-                and group is not plan.group:
-            raise ValueError("plan: built for another CP group (pass the plan's group or None)")
-    placement, r = plan.placement, plan.cp_rank
-    if cu_seqlens is not None:
-        check_cu_seqlens(cu_seqlens, device=q.device)
-        check_local_cu_seqlens(placement, cu_seqlens, r)
-    if max_seqlen is not None and max_seqlen < placement.max_seqlen(r):
-        raise ValueError(f"max_seqlen = {max_seqlen} is below rank {r}'s longest local sequence "
-                         f"({placement.max_seqlen(r)})")
-    if q.shape[0] != plan.n_tokens:
-        raise ValueError(f"plan: built for T={plan.n_tokens} rows, got q {tuple(q.shape)}")
+        check_tensors(q, k, v)
+        check_bool("return_lse", return_lse)
+        softmax_scale = check_softmax_scale(softmax_scale)
+        plan.check_call(q, cu_seqlens, max_seqlen, placement, group, causal, method, seq_lens,
+                        ulysses_size, softmax_scale, backend)
+    scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
+    backend = backend or plan.backend or "auto"
     ns, n_whole = plan.split_rows, plan.n_tokens - plan.split_rows
-    kw = dict(causal=causal, softmax_scale=softmax_scale, backend=backend, return_lse=True)
     if plan.split is not None and n_whole:  # both parts: views whose grads are concatenated
         (qs, qw), (ks, kw_), (vs, vw) = (_SplitRows.apply(t, ns) for t in (q, k, v))
     else:
@@ -253,12 +353,11 @@ def per_document_attention(
         vs = vw = v
     parts = []
     if plan.split is not None:
-        parts.append(context_parallel_attention(qs, ks, vs, None, None, group=plan.group,
-                                                plan=plan.split, method=method,
-                                                ulysses_size=ulysses_size, **kw))
+        parts.append(run_plan(qs, ks, vs, plan.split, get_backend(backend, qs, plan.split.n_seqs),
+                              scale))
     if n_whole or plan.split is None:
-        parts.append(context_parallel_attention(qw, kw_, vw, None, None, plan=plan.whole,
-                                                method="ring", **kw))
+        parts.append(run_plan(qw, kw_, vw, plan.whole, get_backend(backend, qw, plan.whole.n_seqs),
+                              scale))
     out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
     if not return_lse:
         return out

@@ -1,32 +1,37 @@
-"""The per-batch plan of CP attention: every block of every CP method, built once.
+"""The per-batch plan of CP attention in the zigzag layout: every block, built once.
 
 A :class:`CPAttentionPlan` is built once per batch from the batch's *host*
-``cu_seqlens`` and the CP group, then handed to every layer's
+``cu_seqlens`` and the CP group (by :func:`cp_rope.parallel.attention_plan`, or
+:meth:`CPAttentionPlan.build`), then handed to every layer's
 :func:`~cp_rope.parallel.context_parallel_attention` call. It holds
 
-* the cross-rank agreement: at build, the ranks of the group all-gather
-  their whole ``cu_seqlens`` (and ``seq_lens``, shapes, dtype, flags) and every
-  rank raises if any two differ -- so no layer needs a collective to check;
-* the block schedule of the CP method (:class:`~cp_rope.parallel._blocks.Block`
-  objects: segment boundaries on the device *and* on the host, their host
-  max lengths, the query rows a block gives no key);
-* the index tensors a method needs (the all-gather's global order of K/V);
-* host counts (``n_valid``: rows before ``cu_seqlens[-1]``).
+* the cross-rank agreement: at build, the ranks of the group all-gather their
+  whole ``cu_seqlens`` (and ``seq_lens``, shapes, dtype, scale, backend, flags) and
+  every rank raises if any two differ, or if one rank's own arguments failed --
+  so no layer needs a collective to check;
+* the block schedule of the CP method (built by the method's module:
+  :func:`~cp_rope.parallel.ring.ring_schedule`,
+  :func:`~cp_rope.parallel.allgather.allgather_schedule`,
+  :func:`~cp_rope.parallel.ulysses.a2a_schedule`), the index tensors it needs and
+  host counts (``n_valid``: rows before ``cu_seqlens[-1]``);
+* RoPE's arguments for the layout (:meth:`CPAttentionPlan.rope_args`: per-token
+  positions built once per batch).
+
+A plan is immutable: its attributes cannot be assigned, and a call refuses a plan
+whose ``cu_seqlens`` (or ``seq_lens`` / positions) were changed in place after the
+build (the tensors' version counters: a host check, no sync).
 
 With a plan a call reads nothing from the device: no device-to-host sync.
 Building one reads ``cu_seqlens`` on the host (one sync if it is a device
 tensor) and, with ``cp_size > 1``, runs one ``all_gather_object``.
-
-Methods hang their schedules here: ``_SCHEDULES[method](layout)`` returns
-``(blocks, indices, terms)``, a dict of block tuples by phase, a dict of
-index tensors by name, and how many partials one output row sums. A new CP
-method adds its builder to ``_SCHEDULES`` (its forward/backward functions
-read ``plan.blocks[...]`` / ``plan.indices[...]``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
+import types
 
 import torch
 import torch.distributed as dist
@@ -43,167 +48,156 @@ from cp_rope.validation import (
 )
 
 from ._agree import agree_across_ranks
-from ._blocks import Block
-from .sharding import cp_shard_indices
-from .ulysses import A2A_METHODS, a2a_groups, a2a_index, a2a_inner_layout, check_ulysses_args
+from ._schedule import Layout, to_device
+from .allgather import allgather_schedule
+from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
+from .ring import ring_schedule
+from .ulysses import a2a_groups, a2a_schedule, check_ulysses_args
 
-__all__ = ["CPAttentionPlan", "METHODS"]
+__all__ = ["CPAttentionPlan", "METHODS", "FrozenPlan", "check_device", "check_softmax_scale",
+           "check_tensors", "check_across_ranks"]
 
-METHODS = ("ring", "allgather", *A2A_METHODS)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_SCHEDULES = {"ring": ring_schedule, "allgather": allgather_schedule,
+              "ulysses": a2a_schedule, "hybrid": a2a_schedule}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-    """What a schedule builder sees: host int64 ``cu`` [B + 1], sizes, CP position."""
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device`` this process can use (``cuda`` gets its index).
 
-    cu: torch.Tensor
-    max_seqlen: int
-    n_rows: int
-    cp_size: int
-    cp_rank: int
-    causal: bool
-    seq_lens: torch.Tensor | None  # host int64 [B] true global lengths (causal=False only)
-    device: torch.device
-    ulysses_size: int = 1  # all-to-all group size U (ulysses / hybrid)
-
-
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> ``device`` without a sync (pinned, non-blocking: the host tensor is
-    kept by the plan, so its memory outlives the copy)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
-
-
-def _segments(lay: _Layout, q_starts, q_end, k_starts, k_end, max_q, max_k, causal,
-              split_q=False) -> Block:
-    """A :class:`Block` from per-sequence segment starts (each a host ``[B]`` tensor).
-
-    ``split_q``: see :attr:`Block.split_q`.
+    Raises: TypeError if not a torch.device / str / int; ValueError naming ``device`` if it
+    is not a device name, or a CUDA device on a machine or build without one (or beyond
+    ``torch.cuda.device_count()``).
     """
-    cu_q = torch.cat([torch.stack(q_starts, 1).flatten(), q_end.view(1)])
-    cu_k = torch.cat([torch.stack(k_starts, 1).flatten(), k_end.view(1)])
-    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    keyless = (lq > 0) & (lk == 0)  # query rows of these segments see no key in this block
-    rows = None
-    if bool(keyless.any()):
-        starts, lens = cu_q[:-1][keyless], lq[keyless]
-        first = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
-        rows = _to_device(first + torch.arange(int(lens.sum())), lay.device)
-    cu_q32, cu_k32 = cu_q.to(torch.int32), cu_k.to(torch.int32)
-    return Block(_to_device(cu_q32, lay.device), _to_device(cu_k32, lay.device), max_q, max_k,
-                 causal, split_q=split_q, keyless_rows=rows, cu_q_host=cu_q32, cu_k_host=cu_k32)
+    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
+        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:  # e.g. an int on a build without accelerator
+        raise ValueError(f"device={device!r} is not usable here: {exc}") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r}: CUDA is not available (torch "
+                             f"{torch.__version__}, CUDA build {torch.version.cuda})")
+        if dev.index is None:
+            dev = torch.device("cuda", torch.cuda.current_device())
+        elif dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r}: this process sees "
+                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
-def _real_key_counts(lay: _Layout) -> torch.Tensor:
-    """``[C, B]`` host: keys of rank p's local sequence b that are not padding (a prefix)."""
-    cu, C = lay.cu, lay.cp_size
-    lens = cu[1:] - cu[:-1]
-    seq_id = torch.repeat_interleave(torch.arange(lens.numel()), lens)
-    counts = torch.zeros(C, lens.numel(), dtype=torch.int64)
-    for p in range(C):
-        real = global_positions(cu.to(torch.int32), C, p) < lay.seq_lens[seq_id]
-        counts[p].index_add_(0, seq_id, real.to(torch.int64))
-    return counts
+def check_softmax_scale(softmax_scale) -> float | None:
+    """``softmax_scale`` as a float > 0 (or None). Raises TypeError / ValueError naming it."""
+    if softmax_scale is None:
+        return None
+    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
+        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
+    if not 0 < softmax_scale < math.inf:
+        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
+    return float(softmax_scale)
 
 
-def _ring_schedule(lay: _Layout):
-    """Ring (TransformerEngine's load-balanced ring): step ``i`` holds the K/V of rank
-    ``src = (r - i) mod C``; see :mod:`cp_rope.parallel.attention`."""
-    C, r, M, causal = lay.cp_size, lay.cp_rank, lay.max_seqlen, lay.causal
-    a, e, end = lay.cu[:-1], lay.cu[1:], lay.cu[-1]
-    h = (e - a) // 2
-    seg = lambda *args, **kw: _segments(lay, *args, **kw)
-    steps = []
-    if not causal:
-        real = None if lay.seq_lens is None else _real_key_counts(lay)
-        for i in range(C):
-            src = (r - i) % C
-            ks = [a] if real is None else [a, a + real[src]]
-            qs = [a] if real is None else [a, e]
-            steps.append(seg(qs, end, ks, end, M, M, False))
-        return {"ring": tuple(steps)}, {}, C
-    diagonal = seg([a], end, [a], end, M, M, True)
-    # the same Block object for every step of a kind: backends may cache per block
-    first_half = seg([a, e], end, [a, a + h], end, M, M // 2, False, split_q=True) if r > 0 else None
-    second_half = seg([a, a + h], end, [a, a], end, M // 2, M, False) if r < C - 1 else None
-    for i in range(C):
-        src = (r - i) % C
-        steps.append(diagonal if i == 0 else first_half if src < r else second_half)
-    return {"ring": tuple(steps)}, {}, C
+def check_tensors(q, k, v, *, raise_: bool = True) -> bool:
+    """q ``[T, Hq, D]``, k / v ``[T, Hkv, D]`` of one float dtype and device, ``Hq % Hkv == 0``.
+
+    Returns True if they pass; with ``raise_`` (default) raises TypeError / ValueError
+    naming the tensor instead of returning False.
+    """
+    try:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.dim() != 3:
+                raise ValueError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
+            if t.dtype not in _DTYPES:
+                raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
+        if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
+            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in T and D")
+        if q.shape[1] % k.shape[1] != 0:
+            raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads "
+                             f"({k.shape[1]})")
+        if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
+            raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/"
+                             f"{v.dtype} on {q.device}/{k.device}/{v.device}")
+    except (TypeError, ValueError):
+        if raise_:
+            raise
+        return False
+    return True
 
 
-def _allgather_schedule(lay: _Layout):
-    """All-gather (Llama 3 / TransformerEngine): the local block, then the gathered K/V in
-    global order (``indices["kv"]``: rows of the rank-major ``[C, 2 (k, v), T]`` buffer)."""
-    C, r, M, n_rows = lay.cp_size, lay.cp_rank, lay.max_seqlen, lay.n_rows
-    cu = lay.cu
-    a, e, end = cu[:-1], cu[1:], cu[-1]
-    h = (e - a) // 2
-    seg = lambda *args, **kw: _segments(lay, *args, **kw)
-    n_local = int(end)
-    global_cu = (cu * C).to(torch.int32)
-    global_index = torch.empty(C * n_local, dtype=torch.int64)
-    for p in range(C):
-        global_index[cp_shard_indices(global_cu, C, p)] = p * n_rows + torch.arange(n_local)
-    base = (global_index // n_rows) * (2 * n_rows) + global_index % n_rows
-    indices = {"kv": _to_device(torch.cat([base, base + n_rows]), lay.device)}
-    ga, gend = a * C, end * C
-    if lay.causal:
-        # local: each half causally against itself; global: unmasked prefixes
-        local = (seg([a, a + h], end, [a, a + h], end, M // 2, M // 2, True),)
-        pre1, pre2 = r, 2 * C - 1 - r  # chunks before chunk r / before chunk 2C-1-r
-        # max_k bounds every segment, the skipped tail ((2C - r) chunks) too: flash's
-        # backward grid covers max_k keys and must write dK/dV = 0 there
-        glob = (seg([a, a + h, e], end, [ga, ga + pre1 * h, ga + pre1 * h], gend,
-                    M // 2, (2 * C - r) * (M // 2) if r > 0 else 0, False),
-                seg([a, a + h, e], end, [ga, ga, ga + pre2 * h], gend,
-                    M // 2, pre2 * (M // 2), False))
-        return {"local": local, "global": glob}, indices, 2
-    n_real = (e - a) * C if lay.seq_lens is None else lay.seq_lens
-    glob = (seg([a, e], end, [ga, ga + n_real], gend, M, C * M, False),)
-    return {"local": (), "global": glob}, indices, 1
+def _version(t) -> int | None:
+    """A tensor's in-place version counter (None for inference tensors, which have none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
-def _a2a_schedule(lay: _Layout):
-    """Ulysses / hybrid (:mod:`cp_rope.parallel.ulysses`): the ring schedule of the inner
-    ring (``C / U`` ranks, chunks ``U`` times longer; one block of whole documents when
-    ``U = C``) over the rows the all-to-all gathers; ``indices["a2a"]`` puts them in order."""
-    blocks, _, terms = _ring_schedule(a2a_inner_layout(lay))
-    index = a2a_index(lay.cu, lay.cp_size, lay.ulysses_size, lay.cp_rank)
-    return blocks, {"a2a": _to_device(index, lay.device)}, terms
+class FrozenPlan:
+    """Base of the plan kinds: read-only attributes (set only while building) and a check
+    that the tensors a plan was built from were not changed in place since."""
+
+    __slots__ = ("_frozen", "_stamps")
+
+    def __setattr__(self, name, value):
+        if getattr(self, "_frozen", False):
+            raise AttributeError(f"plan: {type(self).__name__}.{name} is read-only; build a new "
+                                 "plan (cp_rope.parallel.attention_plan) for another batch")
+        object.__setattr__(self, name, value)
+
+    def __delattr__(self, name):
+        raise AttributeError(f"plan: {type(self).__name__}.{name} is read-only")
+
+    def _freeze(self, *tensors) -> None:
+        self._stamps = tuple((t, _version(t)) for t in tensors if isinstance(t, torch.Tensor))
+        self._frozen = True
+
+    def check_unchanged(self) -> None:
+        """Raise ValueError naming ``plan`` if a tensor it was built from was changed in place
+        (``plan.cu_seqlens[...] = ...``: its schedule is of the old values). Host only."""
+        for t, v in self._stamps:
+            if v is not None and _version(t) != v:
+                raise ValueError("plan: its cu_seqlens / seq_lens / positions were changed in "
+                                 "place after the plan was built (the plan holds the schedule "
+                                 "of the old values); build a new plan for the new batch")
 
 
-_SCHEDULES = {"ring": _ring_schedule, "allgather": _allgather_schedule,
-              "ulysses": _a2a_schedule, "hybrid": _a2a_schedule}
-
-
-class CPAttentionPlan:
+class CPAttentionPlan(FrozenPlan):
     """Everything :func:`~cp_rope.parallel.context_parallel_attention` derives from one
-    batch's layout, built once per batch with :meth:`build` and reused by every layer
-    (forward and backward): a call with ``plan=`` does no device-to-host sync.
+    batch's zigzag layout, built once per batch (:func:`cp_rope.parallel.attention_plan` or
+    :meth:`build`) and reused by every layer (forward and backward): a call with
+    ``plan=`` does no device-to-host sync.
 
     Attributes (read-only): ``cu_seqlens`` (int32 ``[B + 1]`` on the device),
     ``cu_seqlens_host`` (the same on the CPU), ``max_seqlen``, ``n_tokens`` (rows T of
     q/k/v), ``n_valid`` (``cu_seqlens[-1]``), ``n_seqs`` (B), ``group``, ``cp_size``,
     ``cp_rank``, ``method``, ``causal``, ``seq_lens``, ``ulysses_size`` (all-to-all group
-    size U of ulysses / hybrid, else 1), ``shape`` (``(Hq, Hkv, D)``),
-    ``dtype``, ``device``; the schedule ``blocks`` (dict of block tuples by phase),
-    ``indices`` (dict of device index tensors) and ``terms``.
+    size U of ulysses / hybrid, else 1), ``shape`` (``(Hq, Hkv, D)``), ``dtype``,
+    ``device``, ``softmax_scale`` (None: each call's), ``backend`` (None: each call's);
+    the schedule ``blocks`` (read-only mapping of block tuples by phase), ``indices``
+    (mapping of device index tensors) and ``terms``; ``kind`` = ``"zigzag"``.
     """
 
     __slots__ = ("cu_seqlens", "cu_seqlens_host", "max_seqlen", "n_tokens", "n_valid", "n_seqs",
                  "group", "cp_size", "cp_rank", "method", "causal", "seq_lens", "shape", "dtype",
-                 "device", "blocks", "indices", "terms", "ulysses_size")
+                 "device", "blocks", "indices", "terms", "ulysses_size", "softmax_scale",
+                 "backend", "_rope")
+
+    kind = "zigzag"
 
     @classmethod
     def build(cls, cu_seqlens: torch.Tensor, max_seqlen: int, *, q_heads: int, kv_heads: int,
-              head_dim: int, dtype: torch.dtype, device: torch.device | str,
+              head_dim: int, dtype: torch.dtype, device: torch.device | str | int,
               n_tokens: int | None = None, group: dist.ProcessGroup | None = None,
               causal: bool = True, method: str = "ring",
-              seq_lens: torch.Tensor | None = None,
-              ulysses_size: int | None = None) -> CPAttentionPlan:
+              seq_lens: torch.Tensor | None = None, ulysses_size: int | None = None,
+              softmax_scale: float | None = None, backend: str | None = None,
+              _check=None, _extra_sig=None) -> CPAttentionPlan:
         """Build the plan of one batch (collective over ``group`` when it has > 1 rank).
 
         Args:
@@ -217,66 +211,76 @@ class CPAttentionPlan:
                 ``cu_seqlens[-1]`` on are trailing padding.
             group, causal, method, seq_lens, ulysses_size: as in
                 ``context_parallel_attention``.
+            softmax_scale, backend: fixed in the plan and agreed across the ranks; None
+                leaves them to each call (not agreed; :func:`attention_plan` fixes both).
 
         Raises:
-            TypeError / ValueError: a bad argument, named (cu_seqlens content included).
+            TypeError / ValueError: a bad argument, named (cu_seqlens content included;
+                ``device`` a CUDA device without CUDA).
             RuntimeError: the ranks of the group disagree (every rank raises; the message
                 shows each rank's values), or a rank's own arguments were bad (the other
                 ranks raise naming it).
         """
-        check_cu_seqlens(cu_seqlens)
-        max_seqlen = check_max_seqlen(max_seqlen, allow_none=False)
-        q_heads = check_int("q_heads", q_heads, min_value=1)
-        kv_heads = check_int("kv_heads", kv_heads, min_value=1)
-        head_dim = check_int("head_dim", head_dim, min_value=1)
-        if dtype not in _DTYPES:
-            raise TypeError(f"dtype must be float16/bfloat16/float32/float64, got {dtype}")
-        if q_heads % kv_heads:
-            raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads ({kv_heads})")
-        check_bool("causal", causal)
-        check_choice("method", method, METHODS)
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
         group, cp_size, cp_rank = _position(group)
-        cu_host = cu_seqlens.detach().to("cpu")  # the one read of a device cu_seqlens
-        n_valid = int(cu_host[-1])
-        if n_tokens is None:
-            n_tokens = n_valid
-        n_tokens = check_int("n_tokens", n_tokens, min_value=0)
-        seq_host = None
-        error = None
-        ulysses = 1
+        error, sig, lay = None, None, None
         try:
+            if _check is not None:  # the caller's own rank-local checks join the agreement
+                _check()
+            check_cu_seqlens(cu_seqlens)
+            max_seqlen = check_max_seqlen(max_seqlen, allow_none=False)
+            q_heads = check_int("q_heads", q_heads, min_value=1)
+            kv_heads = check_int("kv_heads", kv_heads, min_value=1)
+            head_dim = check_int("head_dim", head_dim, min_value=1)
+            if dtype not in _DTYPES:
+                raise TypeError(f"dtype must be float16/bfloat16/float32/float64, got {dtype}")
+            if q_heads % kv_heads:
+                raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads "
+                                 f"({kv_heads})")
+            check_bool("causal", causal)
+            check_choice("method", method, METHODS)
+            device = check_device(device)
+            softmax_scale = check_softmax_scale(softmax_scale)
+            if backend is not None:
+                check_choice("backend", backend, BACKEND_CHOICES)
+            # the one read of a device cu_seqlens; a private copy of a host one
+            cu_host = cu_seqlens.detach().to("cpu", copy=True)
+            n_valid = int(cu_host[-1])
+            n_tokens = n_valid if n_tokens is None else check_int("n_tokens", n_tokens,
+                                                                   min_value=0)
             check_cu_seqlens_content(cu_host, n_tokens=n_tokens, cp_size=cp_size,
                                      max_seqlen=max_seqlen)
             seq_host = _check_seq_lens(seq_lens, cu_host, causal, cp_size)
             ulysses = check_ulysses_args(method, ulysses_size, cp_size, q_heads, kv_heads)
+            lay = Layout(cu_host.to(torch.int64), max_seqlen, n_tokens, cp_size, cp_rank, causal,
+                         seq_host, device, ulysses)
+            sig = {"layout": "zigzag", "q": (n_tokens, q_heads, head_dim),
+                   "k": (n_tokens, kv_heads, head_dim), "dtype": str(dtype),
+                   "max_seqlen": max_seqlen, "causal": causal, "method": method,
+                   "ulysses_size": ulysses_size, "softmax_scale": softmax_scale,
+                   "backend": backend, "cu_seqlens": cu_host.tolist(),
+                   "seq_lens": None if seq_host is None else seq_host.tolist(),
+                   **(_extra_sig or {})}
         except (TypeError, ValueError) as exc:
             error = exc
         if group is not None:  # cp_size > 1
-            sig = {"q": (n_tokens, q_heads, head_dim), "k": (n_tokens, kv_heads, head_dim),
-                   "dtype": str(dtype), "max_seqlen": max_seqlen, "causal": causal,
-                   "method": method, "ulysses_size": ulysses_size, "cu_seqlens": cu_host.tolist(),
-                   "seq_lens": None if seq_host is None else seq_host.tolist()}
-            _check_across_ranks(group, sig, error)
+            check_across_ranks(group, sig, error)
         elif error is not None:
             raise error
         self = object.__new__(cls)
-        self.cu_seqlens = (cu_seqlens if cu_seqlens.device == device
-                           else _to_device(cu_host, device))
+        self.cu_seqlens = cu_seqlens if cu_seqlens.device == device else to_device(cu_host, device)
         self.cu_seqlens_host, self.max_seqlen, self.n_tokens = cu_host, max_seqlen, n_tokens
         self.n_valid, self.n_seqs = n_valid, cu_host.numel() - 1
         self.group, self.cp_size, self.cp_rank = group, cp_size, cp_rank
         self.method, self.causal, self.seq_lens = method, causal, seq_lens
         self.shape, self.dtype, self.device = (q_heads, kv_heads, head_dim), dtype, device
-        self.ulysses_size = ulysses
-        layout = _Layout(cu_host.to(torch.int64), max_seqlen, n_tokens, cp_size, cp_rank, causal,
-                         seq_host, device, ulysses)
-        schedule = _SCHEDULES[method if cp_size > 1 else "ring"]
-        self.blocks, self.indices, self.terms = schedule(layout)
+        self.ulysses_size, self.softmax_scale, self.backend = ulysses, softmax_scale, backend
+        blocks, indices, self.terms = _SCHEDULES[method if cp_size > 1 else "ring"](lay)
+        self.blocks = types.MappingProxyType(blocks)
+        self.indices = types.MappingProxyType(indices)
+        self._rope = None
         if self.algorithm in A2A_METHODS and group is not None:  # subgroups now (collective), cached
             a2a_groups(group, ulysses)
+        self._freeze(cu_seqlens, cu_host, seq_lens)
         return self
 
     @classmethod
@@ -303,12 +307,27 @@ class CPAttentionPlan:
         """The method that runs: ``method``, or ``"ring"`` (one local block) at cp_size 1."""
         return self.method if self.cp_size > 1 else "ring"
 
+    def rope_args(self) -> dict:
+        """Keyword arguments of :func:`cp_rope.apply_rotary_emb_qk` for this layout:
+        ``cu_seqlens``, ``position_ids`` (int32 ``[n_tokens]`` on the plan's device: each
+        row's position in its global sequence, by the CP formula; 0 on trailing padding rows)
+        and ``max_position_id``. Built on the host once per plan (no sync), then cached."""
+        if self._rope is None:
+            pos = global_positions(self.cu_seqlens_host, self.cp_size, self.cp_rank)
+            full = torch.zeros(self.n_tokens, dtype=torch.int32)
+            full[: pos.numel()] = pos
+            object.__setattr__(self, "_rope", {
+                "cu_seqlens": self.cu_seqlens, "position_ids": to_device(full, self.device),
+                "max_position_id": int(pos.max()) if pos.numel() else 0})
+        return dict(self._rope)
+
     def check_call(self, q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
-                   ulysses_size=None) -> None:
+                   ulysses_size=None, softmax_scale=None, backend=None) -> None:
         """Raise ValueError naming ``plan`` if a call's arguments are not the plan's batch.
 
-        Host checks only (no sync): shapes, dtype, device, the group object, the flags,
-        and ``cu_seqlens`` / ``seq_lens`` are the plan's own tensors (or None).
+        Host checks only (no sync): shapes, dtype, device, the group object, the flags
+        (None: the plan's), ``cu_seqlens`` / ``seq_lens`` are the plan's own tensors (or
+        None), unchanged since the build.
         """
         got = (q.shape[0], q.shape[1], k.shape[1], q.shape[2])
         want = (self.n_tokens, *self.shape)
@@ -319,22 +338,30 @@ class CPAttentionPlan:
                 f"{q.dtype} on {q.device} (build a plan per batch)")
         if group is not None and dist.get_world_size(group) == 1:
             group = None
-        if group is not self.group:
+        if group is not None and group is not self.group:
             raise ValueError("plan: built for another CP group (pass the group the plan was "
-                             "built with)")
+                             "built with, or None)")
         if cu_seqlens is not None and cu_seqlens is not self.cu_seqlens \
                 and cu_seqlens is not self.cu_seqlens_host:
             raise ValueError("plan: cu_seqlens is not the plan's (plan.cu_seqlens); the batch "
                              "changed? Build a plan per batch, or pass cu_seqlens=None")
         if max_seqlen is not None and max_seqlen != self.max_seqlen:
             raise ValueError(f"plan: built for max_seqlen {self.max_seqlen}, got {max_seqlen}")
-        if causal != self.causal or method != self.method:
+        if (causal is not None and causal != self.causal) or (method is not None
+                                                              and method != self.method):
             raise ValueError(f"plan: built for causal={self.causal}, method={self.method!r}; got "
                              f"causal={causal}, method={method!r}")
         if ulysses_size is not None and ulysses_size != self.ulysses_size:
             raise ValueError(f"plan: built for ulysses_size={self.ulysses_size}, got {ulysses_size}")
         if seq_lens is not None and seq_lens is not self.seq_lens:
             raise ValueError("plan: seq_lens is not the plan's (pass seq_lens=None with a plan)")
+        if softmax_scale is not None and self.softmax_scale is not None \
+                and softmax_scale != self.softmax_scale:
+            raise ValueError(f"plan: built for softmax_scale={self.softmax_scale}, got "
+                             f"{softmax_scale} (pass None to use the plan's)")
+        if backend is not None and self.backend is not None and backend != self.backend:
+            raise ValueError(f"plan: built for backend={self.backend!r}, got {backend!r}")
+        self.check_unchanged()
 
     def __repr__(self) -> str:
         return (f"CPAttentionPlan(n_seqs={self.n_seqs}, n_tokens={self.n_tokens}, "
@@ -352,9 +379,20 @@ class _SimulatedGroup:
 
 
 def _position(group) -> tuple[dist.ProcessGroup | None, int, int]:
-    """``(group, cp_size, cp_rank)``: group None at cp_size 1 and for a simulated rank."""
+    """``(group, cp_size, cp_rank)``: group None at cp_size 1 and for a simulated rank.
+
+    Raises: TypeError if ``group`` is not a ProcessGroup (or None); ValueError if
+    ``torch.distributed`` is not initialized or this process is not in ``group``.
+    """
     if isinstance(group, _SimulatedGroup):
         return None, group.size, group.rank
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__} {group!r}")
+    if group is not None and not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialized (init_process_group first)")
+    if group is not None and dist.get_rank(group) < 0:
+        raise ValueError("group: this process is not a member of the CP group")
     if group is not None and dist.get_world_size(group) > 1:
         return group, dist.get_world_size(group), dist.get_rank(group)
     return None, 1, 0
@@ -384,7 +422,7 @@ def _check_seq_lens(seq_lens, cu_host, causal, cp_size):
     return host
 
 
-def _check_across_ranks(group, sig: dict, error: Exception | None) -> None:
+def check_across_ranks(group, sig: dict | None, error: Exception | None) -> None:
     """:func:`agree_across_ranks` for plan builds: RuntimeError on the ranks whose own
     arguments passed, naming the keys of ``sig`` that differ and every rank's values."""
 
@@ -393,10 +431,11 @@ def _check_across_ranks(group, sig: dict, error: Exception | None) -> None:
             text = str(v)
             return text if len(text) <= 120 else text[:117] + "..."
 
-        diff = [key for key in sigs[0] if any(s[key] != sigs[0][key] for s in sigs)]
+        keys = list(dict.fromkeys(key for s in sigs for key in s))
+        diff = [key for key in keys if any(s.get(key) != sigs[0].get(key) for s in sigs)]
         return "inputs differ across the ranks of the CP group:\n" + "\n".join(
-            f"  rank {i}: " + ", ".join(f"{key}={show(s[key])}" for key in diff)
+            f"  rank {i}: " + ", ".join(f"{key}={show(s.get(key))}" for key in diff)
             for i, s in enumerate(sigs))
 
-    agree_across_ranks(group, error, sig, what="context_parallel_attention", describe=describe,
+    agree_across_ranks(group, error, sig, what="plan (context_parallel_attention)", describe=describe,
                        exc=RuntimeError)

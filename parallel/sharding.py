@@ -27,7 +27,8 @@ from ._agree import agree_across_ranks
 from .batch import PackedBatch
 from .placement import check_placement, place_documents, shard_placed, unshard_placed
 
-__all__ = ["cp_shard_indices", "shard_tensor", "shard_batch", "unshard", "local_cu_seqlens"]
+__all__ = ["cp_shard_indices", "rank_major_index", "shard_tensor", "shard_batch", "unshard",
+           "local_cu_seqlens"]
 
 
 def local_cu_seqlens(cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:
@@ -84,6 +85,37 @@ def cp_shard_indices(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> to
     lens = (local_cu[1:] - local_cu[:-1]).to(torch.int64)
     starts = torch.repeat_interleave(cu[:-1], lens, output_size=pos.numel())
     return starts + pos
+
+
+def rank_major_index(cu_seqlens: torch.Tensor, cp_size: int, ranks=None, *,
+                     stride: int | None = None) -> torch.Tensor:
+    """The inverse of the zigzag split: where each global row sits among the ranks' shards.
+
+    The one definition of the zigzag order's inverse (``unshard``, the all-gather's
+    K/V order and the Ulysses all-to-all's row order all use it).
+
+    Args:
+        cu_seqlens: int32 ``[B + 1]`` *global* cumulative lengths (each divisible by
+            ``2 * cp_size``).
+        cp_size: CP degree ``C``.
+        ranks: the ranks whose shards are stacked (default ``range(C)``), in order.
+        stride: rows per stacked shard (default: the local rows ``cu_seqlens[-1] / C``;
+            larger when shards carry trailing padding rows).
+
+    Returns: int64 ``[cu_seqlens[-1]]``: ``index[g] = j * stride + i`` where global row ``g``
+    is local row ``i`` of ``ranks[j]``; ``-1`` for rows of no listed rank. So with every
+    rank listed, ``x_global = stacked.view(-1, ...)[index]``.
+
+    Raises: as :func:`cp_shard_indices`.
+    """
+    ranks = range(cp_size) if ranks is None else ranks
+    total = int(cu_seqlens[-1])
+    n_local = total // cp_size
+    stride = n_local if stride is None else stride
+    index = torch.full((total,), -1, dtype=torch.int64)
+    for j, p in enumerate(ranks):
+        index[cp_shard_indices(cu_seqlens, cp_size, p)] = j * stride + torch.arange(n_local)
+    return index
 
 
 def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int,
@@ -237,14 +269,10 @@ def unshard(local: torch.Tensor, cu_seqlens: torch.Tensor, group: dist.ProcessGr
         "cu_seqlens, local's trailing shape and dtype must be the same on every rank of the "
         "group; " + "; ".join(f"rank {r}: cu_seqlens={v[0]}, local.shape[1:]={v[1]}, {v[2]}"
                               for r, v in enumerate(sigs))))
-    n_local = local.shape[0]
-    global_cu = cu_seqlens * cp_size
-    dest = torch.cat([cp_shard_indices(global_cu, cp_size, r) for r in range(cp_size)])
+    index = rank_major_index(cu_seqlens * cp_size, cp_size)
     parts = [torch.empty_like(local) for _ in range(cp_size)]
     dist.all_gather(parts, local, group=group)
-    out = local.new_empty((n_local * cp_size, *local.shape[1:]))
-    out[dest.to(out.device)] = torch.cat(parts)
-    return out
+    return torch.cat(parts).index_select(0, index.to(local.device))
 
 
 def _unshard_rows(local: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int) -> torch.Tensor:

@@ -80,13 +80,13 @@ from cp_rope.validation import check_int
 
 from . import _compat
 from ._accumulate import Rows
-from .sharding import cp_shard_indices
+from ._schedule import to_device
+from .choices import A2A_METHODS, METHODS
+from .ring import ring_backward, ring_forward, ring_schedule
+from .sharding import cp_shard_indices, rank_major_index
 
 __all__ = ["A2A_METHODS", "check_ulysses_args", "a2a_index", "a2a_inner_layout", "a2a_groups",
-           "hybrid_forward", "hybrid_backward",
-           "comm_volume"]
-
-A2A_METHODS = ("ulysses", "hybrid")
+           "a2a_schedule", "hybrid_forward", "hybrid_backward", "comm_volume"]
 
 
 # --------------------------------------------------------------------------- arguments
@@ -151,9 +151,7 @@ def a2a_index(cu: torch.Tensor, cp_size: int, ulysses_size: int, cp_rank: int) -
     C, U = cp_size, ulysses_size
     g, n = cp_rank // U, int(cu[-1])
     global_cu = (cu.to(torch.int64) * C).to(torch.int32)
-    where = torch.full((C * n,), -1, dtype=torch.int64)
-    for u in range(U):
-        where[cp_shard_indices(global_cu, C, g * U + u)] = u * n + torch.arange(n)
+    where = rank_major_index(global_cu, C, range(g * U, (g + 1) * U), stride=n)
     index = where[cp_shard_indices(global_cu, C // U, g)]
     if bool((index < 0).any()):  # the union of the group's chunks is the ring's layout
         raise AssertionError("a2a_index: the group's zigzag rows are not the ring's layout")
@@ -169,6 +167,15 @@ def a2a_inner_layout(lay):
     return dataclasses.replace(lay, cu=lay.cu * u, max_seqlen=lay.max_seqlen * u,
                                n_rows=int(lay.cu[-1]) * u, cp_size=lay.cp_size // u,
                                cp_rank=lay.cp_rank // u, ulysses_size=1)
+
+
+def a2a_schedule(lay):
+    """Ulysses / hybrid: the ring schedule of the inner ring (``C / U`` ranks, chunks ``U``
+    times longer; one block of whole documents when ``U = C``) over the rows the all-to-all
+    gathers; ``indices["a2a"]`` (:func:`a2a_index`) puts them in order."""
+    blocks, _, terms = ring_schedule(a2a_inner_layout(lay))
+    index = a2a_index(lay.cu, lay.cp_size, lay.ulysses_size, lay.cp_rank)
+    return blocks, {"a2a": to_device(index, lay.device)}, terms
 
 
 # --------------------------------------------------------------------------- groups
@@ -270,7 +277,7 @@ def _local_heads(h: int, u: int) -> int:
 
 # --------------------------------------------------------------------------- forward / backward
 
-def hybrid_forward(group, q, k, v, plan, be, scale, *, ring_forward):
+def hybrid_forward(group, q, k, v, plan, be, scale):
     """Hybrid (and Ulysses, ``U = C``) forward: all-to-all of q/k/v to ``H / U`` heads of
     the group's rows in the inner ring's order, the ring over the ring group (one block
     of whole documents when ``R = 1``), all-to-all of out/LSE back. Returns (out ``[T, Hq,
@@ -309,8 +316,7 @@ def hybrid_forward(group, q, k, v, plan, be, scale, *, ring_forward):
     return out, lse, ((qg, kg, vg, out_g, lse_g), auxs)
 
 
-def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs, *,
-                    ring_backward):
+def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs):
     """Hybrid (and Ulysses) backward: all-to-all of dout like q, the ring backward on
     the head-sharded ``qg, kg, vg, out_g, lse_g`` the forward kept (its state), all-to-all
     of dq/dk/dv back (in the input dtype; fp32 / fp64 when kv heads were shared by ``U /
@@ -376,7 +382,7 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
     as :func:`check_ulysses_args` for ``ulysses_size`` and head counts that the method
     cannot run.
     """
-    if method not in ("ring", "allgather", *A2A_METHODS):
+    if method not in METHODS:
         raise ValueError(f"method must be one of 'ring', 'allgather', 'ulysses', 'hybrid'; "
                          f"got {method!r}")
     n_tokens = check_int("n_tokens", n_tokens, min_value=0)

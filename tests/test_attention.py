@@ -504,7 +504,7 @@ def _half_accumulators_match_fp32(rank, world_size, group):
     accumulators cast at the end -- the claim that lets out / dq / dk / dv live in bf16. The
     one exception: the split cuDNN block's dK/dV travel as one bf16 sum of its two halves,
     one rounding more (within one bf16 ulp plus a half-ulp of the largest value)."""
-    from cp_rope.parallel import attention as att
+    from cp_rope.parallel import _accumulate as att  # the methods read acc_dtype there
 
     natural = att.acc_dtype
     for ci, (backend, one_seq, method) in enumerate([("fake_flash", False, "ring"),
