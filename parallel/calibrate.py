@@ -1,0 +1,310 @@
+"""Constants of the CP cost model (:mod:`cp_rope.parallel.cost_model`): shipped H200 defaults,
+a JSON file format, and a measurement of the local GPU and links.
+
+    python -m cp_rope.parallel.calibrate --out cal.json                 # one GPU: kernels, HBM
+    torchrun --nproc-per-node 2 -m cp_rope.parallel.calibrate --out cal.json   # + links
+
+The trainers read the file with ``--cp-calibration PATH``. A file records the device name
+and the torch version it was measured with; :func:`load_calibration` refuses a file from
+another device or torch version, or one it cannot read, with its path in the message.
+
+Units: ``tflops``: TFLOP/s of forward + backward causal attention with FLOPs counted as
+flash-attention's benchmarks do (``3.5 x 4 x pairs x H x D``), per backend, at each
+``block_keys`` (keys per query row of a segment, ``pairs / rows``); ``call_us``:
+microseconds per block call (forward + backward); bandwidths in GB/s (1e9 bytes/s);
+``merge_bytes_per_row``: bytes moved per output element per extra ring step (merge +
+dq accumulation); ``latency_us`` per exchange.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import time
+
+import numpy as np
+import torch
+
+__all__ = ["Calibration", "CalibrationError", "default_calibration", "load_calibration",
+           "save_calibration", "measure"]
+
+FORMAT = 1
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot be used (unreadable, malformed, another machine)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Calibration:
+    """The cost model's constants (see the module docstring for units)."""
+
+    device_name: str
+    torch_version: str
+    block_keys: tuple[float, ...]
+    tflops: dict  # backend -> tuple of TFLOP/s at block_keys
+    call_us: float
+    merge_bytes_per_row: float
+    hbm_gbps: float
+    p2p_gbps: float
+    a2a_gbps: float
+    collective_gbps: float
+    latency_us: float
+    seg_ns: float = 0.0
+    tile: int = 128
+    source: str = ""
+
+    def tflops_at(self, backend: str, keys: np.ndarray) -> np.ndarray:
+        """TFLOP/s of ``backend`` at ``keys`` per query row (log-linear interpolation, clamped
+        at the table's ends; an unknown backend uses ``cudnn``'s table)."""
+        table = self.tflops.get(backend) or self.tflops["cudnn"]
+        x = np.log(np.asarray(self.block_keys, dtype=np.float64))
+        return np.interp(np.log(np.maximum(keys, 1e-9)), x, np.asarray(table, dtype=np.float64))
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["format"] = FORMAT
+        d["block_keys"] = list(self.block_keys)
+        d["tflops"] = {k: list(v) for k, v in self.tflops.items()}
+        return d
+
+
+def _table(peak: float, half: float, keys) -> tuple[float, ...]:
+    """``peak x s / (s + half)`` at each ``s`` (TFLOP/s), rounded to 0.1."""
+    return tuple(round(peak * s / (s + half), 1) for s in keys)
+
+
+# H200 constants, fitted by scripts/validate_cost_model.py --fit to the one-H200 rows (cp 1
+# and --simulate-cp) and the two-H200 cp 2 rows of docs/benchmarks.md (torch 2.11, cuDNN
+# frontend 1.32): TFLOP/s at 16 / 128 / 1024 / 8192 / 65536 keys per query row.
+_H200 = dict(
+    block_keys=(16.0, 128.0, 1024.0, 8192.0, 65536.0),
+    tflops={"cudnn": (243.7, 203.4, 503.6, 503.6, 546.3),
+            "torch_flash": (31.3, 150.1, 285.2, 321.4, 326.6)},
+    call_us=855.3, merge_bytes_per_row=41.27, hbm_gbps=4000.0, p2p_gbps=221.9, a2a_gbps=154.5,
+    collective_gbps=88.1, latency_us=0.0, seg_ns=3.21, tile=128)
+
+
+def default_calibration(device_name: str | None = None) -> Calibration:
+    """The shipped constants: H200 numbers from ``docs/benchmarks.md`` (used for any device
+    without a calibration file; ``source`` says so)."""
+    name = device_name or "NVIDIA H200"
+    src = "shipped H200 defaults (docs/benchmarks.md)"
+    if "H200" not in name:
+        src += f"; not calibrated for {name!r}: run python -m cp_rope.parallel.calibrate"
+    return Calibration(device_name=name, torch_version=torch.__version__, source=src, **_H200)
+
+
+def _device_name(device: torch.device | str | None) -> str:
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return "cpu"
+
+
+def save_calibration(cal: Calibration, path: str) -> None:
+    """Write ``cal`` as JSON to ``path``."""
+    with open(path, "w") as f:
+        json.dump(cal.to_dict(), f, indent=1)
+
+
+def load_calibration(path: str, device: torch.device | str | None = None, *,
+                     check_machine: bool = True) -> Calibration:
+    """Read a calibration JSON written by :func:`save_calibration` / ``python -m
+    cp_rope.parallel.calibrate``.
+
+    Args:
+        path: the file.
+        device: the device the run uses (default: the current CUDA device, else cpu); its
+            name must be the file's ``device_name``.
+        check_machine: also require the file's torch version to be this process's.
+
+    Raises: CalibrationError (a ValueError) naming ``path``: unreadable, not JSON, another
+    format, missing or invalid fields (non-positive or non-finite numbers, tables of the
+    wrong length), or measured on another device / torch version.
+    """
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, ValueError) as exc:
+        raise CalibrationError(f"calibration file {path!r}: cannot read it ({exc})") from exc
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise CalibrationError(f"calibration file {path!r}: not a cp_rope calibration (format "
+                               f"{FORMAT}); write one with python -m cp_rope.parallel.calibrate")
+    fields = [f.name for f in dataclasses.fields(Calibration)]
+    missing = [k for k in fields if k not in raw and k != "source"]
+    if "tile" not in missing and not (isinstance(raw["tile"], int) and raw["tile"] >= 1):
+        missing.append("tile (an int >= 1)")
+    if missing:
+        raise CalibrationError(f"calibration file {path!r}: missing {', '.join(missing)}")
+    try:
+        keys = tuple(float(x) for x in raw["block_keys"])
+        tflops = {str(k): tuple(float(x) for x in v) for k, v in raw["tflops"].items()}
+        nums = {k: float(raw[k]) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
+                                            "p2p_gbps", "a2a_gbps", "collective_gbps",
+                                            "latency_us", "seg_ns")}
+        tile = int(raw["tile"])
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
+    bad = [k for k, v in nums.items() if not math.isfinite(v) or v < 0
+           or (v == 0 and k.endswith("gbps"))]
+    bad += [f"tflops[{k}]" for k, v in tflops.items()
+            if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
+    if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or "cudnn" not in tflops:
+        bad.append("block_keys / tflops['cudnn']")
+    if bad:
+        raise CalibrationError(f"calibration file {path!r}: invalid {', '.join(bad)}")
+    if check_machine:
+        here = _device_name(device)
+        if raw["device_name"] != here or raw["torch_version"] != torch.__version__:
+            raise CalibrationError(
+                f"calibration file {path!r}: measured on {raw['device_name']!r} with torch "
+                f"{raw['torch_version']}, this run uses {here!r} with torch {torch.__version__}; "
+                f"calibrate here (python -m cp_rope.parallel.calibrate --out {path})")
+    return Calibration(device_name=str(raw["device_name"]), torch_version=str(raw["torch_version"]),
+                       block_keys=keys, tflops=tflops, tile=tile, source=f"file {path}", **nums)
+
+
+# ------------------------------------------------------------------ measurement
+
+def _time(fn, sync, iters: int) -> float:
+    fn()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync()
+    return (time.perf_counter() - t0) / iters
+
+
+def measure(device: torch.device | str | None = None, *, backend: str = "auto",
+            tokens: int = 32768, heads: int = 8, kv_heads: int = 2, head_dim: int = 128,
+            iters: int = 3, group=None) -> Calibration:
+    """Measure the local device (and, with ``group`` of more than one rank, its links).
+
+    Kernel table: forward + backward of causal attention over documents of length ``L``
+    packed into ``tokens`` rows (``L`` = 2 .. tokens), through the library's block backend
+    (``backend``), giving TFLOP/s at ``L / 2`` keys per row; ``call_us`` from a one-row
+    call; ``hbm_gbps`` from a large copy; links: all-to-all, all-gather and a ring
+    ``send/recv`` of 64 MiB over ``group``. Without a group the link constants stay the
+    shipped defaults. On a CPU (for testing) tokens are capped at 1024 with the reference
+    backend in float32.
+
+    Returns: a :class:`Calibration` recording this device's name and torch's version.
+    """
+    import torch.distributed as dist
+
+    from .attention import context_parallel_attention
+
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+        else torch.device("cpu"))
+    cuda = device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    dtype = torch.bfloat16 if cuda else torch.float32
+    if not cuda:
+        tokens, backend = min(tokens, 1024), "reference"
+    base = default_calibration(_device_name(device))
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    def run(L: int, T: int):
+        cu = torch.arange(0, T + 1, L, dtype=torch.int32)
+        q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn_like(k)
+        q.requires_grad_(True)
+        cu_d = cu.to(device)
+
+        def step():
+            out = context_parallel_attention(q, k, v, cu_d, L, backend=backend)
+            out.backward(torch.ones_like(out))
+        return step, cu
+
+    keys, table = [], []
+    L = 2
+    while L <= tokens:
+        step, cu = run(L, tokens)
+        t = _time(step, sync, iters)
+        pairs = (tokens // L) * L * (L + 1) / 2
+        keys.append((L + 1) / 2)
+        table.append(3.5 * 4 * pairs * heads * head_dim / t / 1e12)
+        L *= 4
+    step, _ = run(1, 1)
+    call_us = _time(step, sync, iters) * 1e6 / 2
+    x = torch.empty(64 << 20 if cuda else 1 << 20, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    hbm = 2 * x.numel() / _time(lambda: y.copy_(x), sync, iters) / 1e9
+    links = {k: getattr(base, k) for k in ("p2p_gbps", "a2a_gbps", "collective_gbps",
+                                           "latency_us")}
+    if group is not None and dist.get_world_size(group) > 1:
+        links = _measure_links(group, device, sync, iters)
+    return Calibration(device_name=_device_name(device), torch_version=torch.__version__,
+                       block_keys=tuple(keys), tflops={"cudnn" if backend == "auto" else backend:
+                                                       tuple(table)},
+                       call_us=call_us, merge_bytes_per_row=base.merge_bytes_per_row,
+                       hbm_gbps=hbm, source=f"measured ({backend})", **links)
+
+
+def _measure_links(group, device, sync, iters) -> dict:
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(group), dist.get_rank(group)
+    nbytes = 64 << 20
+    buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    out = torch.empty_like(buf)
+    gath = torch.empty(n * buf.numel(), dtype=buf.dtype, device=device)
+    nxt, prv = dist.get_global_rank(group, (rank + 1) % n), dist.get_global_rank(group, (rank - 1) % n)
+
+    def ring():
+        ops = [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, out, prv, group)]
+        for w in dist.batch_isend_irecv(ops):
+            w.wait()
+
+    tiny = torch.ones(1, device=device)
+    lat = _time(lambda: dist.all_reduce(tiny, group=group), sync, iters)
+    p2p = nbytes / _time(ring, sync, iters)
+    a2a = nbytes * (n - 1) / n / _time(lambda: dist.all_to_all_single(out, buf, group=group),
+                                      sync, iters)
+    coll = nbytes * (n - 1) / _time(lambda: dist.all_gather_into_tensor(gath, buf, group=group),
+                                    sync, iters)
+    vals = torch.tensor([p2p, a2a, coll, lat], dtype=torch.float64, device=device)
+    dist.all_reduce(vals, op=dist.ReduceOp.MIN, group=group)  # the slowest rank's link
+    p2p, a2a, coll, lat = vals.tolist()
+    return {"p2p_gbps": p2p / 1e9, "a2a_gbps": a2a / 1e9, "collective_gbps": coll / 1e9,
+            "latency_us": lat * 1e6}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description="Measure the CP cost model's constants on this "
+                                            "machine and write them as JSON.")
+    p.add_argument("--out", required=True, help="JSON file to write")
+    p.add_argument("--backend", default="auto", help="block backend to time (default auto)")
+    p.add_argument("--tokens", type=int, default=32768, help="rows per timed call")
+    p.add_argument("--iters", type=int, default=3)
+    args = p.parse_args(argv)
+    import torch.distributed as dist
+
+    group = None
+    if "RANK" in os.environ:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        group = dist.group.WORLD
+    cal = measure(backend=args.backend, tokens=args.tokens, iters=args.iters, group=group)
+    if group is None or dist.get_rank() == 0:
+        save_calibration(cal, args.out)
+        print(f"wrote {args.out}: {cal.device_name}, torch {cal.torch_version}; "
+              f"peak {max(next(iter(cal.tflops.values()))):.0f} TFLOP/s, "
+              f"call {cal.call_us:.0f} us, HBM {cal.hbm_gbps:.0f} GB/s, "
+              f"p2p {cal.p2p_gbps:.0f} GB/s, all-to-all {cal.a2a_gbps:.0f} GB/s")
+    if group is not None:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,280 @@
+"""A start-up parity check of the configured CP stack on the real group:
+:func:`self_test` runs RoPE + CP attention + the CP loss, forward and backward, on a small
+random packed batch with edge documents, and compares every result with the same
+computation done unsharded (plain PyTorch attention per document) on every rank.
+
+Misconfigured context parallelism trains silently wrong (a rank order that is not the
+data's ``cp_rank``, shards cut for another ``cp_size``, a placement that differs between
+the data and the attention, a block kernel that returns wrong blocks); cp-rope is exact,
+so a few seconds at start-up prove the setting on the user's own group. The trainers run
+it before the first step (``--cp-self-test on``, the default).
+
+RNG: all random numbers come from the test's own ``torch.Generator``; the global RNG
+states (CPU and CUDA) are not touched, so a run's losses are bit-for-bit the same with
+the self-test on or off (``tests/test_self_test.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from cp_rope import apply_rotary_emb_qk, rope_cache
+
+from .batch import PackedBatch
+from .loss import cp_cross_entropy
+from .placement import default_split_threshold, place_documents
+from .sharding import shard_batch
+
+__all__ = ["SelfTestError", "SelfTestResult", "self_test"]
+
+# largest |got - ref| / max |ref| accepted, per compute dtype (the CP run against float32 /
+# float64 attention of the same dtype-rounded inputs; wrong blocks give O(1) errors)
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-4, torch.float16: 2e-2,
+             torch.bfloat16: 4e-2}
+_VOCAB = 64
+
+
+class SelfTestError(RuntimeError):
+    """The CP self-test found a difference (raised on every rank of the group)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class SelfTestResult:
+    """``seconds`` the test took; ``errors``: largest relative difference per result
+    (``loss``, ``output``, ``dq``, ``dk``, ``dv``, ``dW``); ``tolerance``; ``n_tokens``,
+    ``lengths``: the test batch's global (padded) document lengths."""
+
+    seconds: float
+    errors: dict
+    tolerance: float
+    lengths: tuple
+
+
+def _lengths(cp_size: int, threshold: int | None) -> tuple[list[int], list[int]]:
+    """Edge documents: one token, empty, odd lengths, one longer than the split threshold
+    (zigzag: a long one), padded up to multiples of 2 cp_size like the collator does."""
+    long = (threshold if threshold is not None else 8 * cp_size) + 1
+    raw = [1, 0, 7, long, 13, 2 * cp_size + 1, 3]
+    return [-(-n // (2 * cp_size)) * (2 * cp_size) for n in raw], raw
+
+
+def _global_batch(cp_size: int, threshold: int | None, gen: torch.Generator) -> PackedBatch:
+    padded, raw = _lengths(cp_size, threshold)
+    cu = torch.tensor([0, *np.cumsum(padded).tolist()], dtype=torch.int32)
+    T = int(cu[-1])
+    labels = torch.randint(0, _VOCAB, (T,), generator=gen)
+    pos = torch.zeros(T, dtype=torch.int64)
+    for b, (n, real) in enumerate(zip(padded, raw, strict=False)):
+        a = int(cu[b])
+        pos[a:a + n] = torch.arange(n)
+        labels[a + max(real - 1, 0):a + n] = -100  # each document's last token and padding
+    return PackedBatch(input_ids=torch.arange(T), labels=labels, position_ids=pos, cu_seqlens=cu,
+                       max_seqlen=max(padded), seq_lens=torch.tensor(raw, dtype=torch.int32))
+
+
+def _reference_attention(q, k, v, cu) -> torch.Tensor:
+    """Causal attention per document, plain PyTorch (q's dtype; GQA by repeating k/v)."""
+    rep = q.shape[1] // k.shape[1]
+    out = torch.zeros_like(q)
+    scale = q.shape[-1] ** -0.5
+    for a, e in zip(cu[:-1].tolist(), cu[1:].tolist(), strict=False):
+        if e == a:
+            continue
+        qs, ks = q[a:e].transpose(0, 1), k[a:e].repeat_interleave(rep, 1).transpose(0, 1)
+        vs = v[a:e].repeat_interleave(rep, 1).transpose(0, 1)
+        s = (qs @ ks.transpose(1, 2)) * scale
+        mask = torch.ones(e - a, e - a, dtype=torch.bool, device=q.device).tril()
+        out[a:e] = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+    return out
+
+
+def _rope(q, k, cos, sin, cu, **kw):
+    """RoPE (float64 through float32, the kernels' widest dtype: the same rounding in the
+    sharded and the unsharded run, which rotate the same rows at the same positions)."""
+    if q.dtype != torch.float64:
+        return apply_rotary_emb_qk(q, k, cos, sin, cu, **kw)
+    qr, kr = _rope(q.float(), k.float(), cos, sin, cu, **kw)
+    return qr.double(), kr.double()
+
+
+def _describe(setting: dict) -> str:
+    return ", ".join(f"{k}={v}" for k, v in setting.items())
+
+
+def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
+              backend: str = "auto", placement: str = "zigzag", ulysses_size: int | None = None,
+              split_threshold: int | None = None, q_heads: int = 4, kv_heads: int = 2,
+              head_dim: int = 32, dtype: torch.dtype = torch.float32,
+              device: torch.device | str = "cpu", cp_rank: int | None = None,
+              cp_size: int | None = None, data_placement: str | None = None,
+              seed: int = 0) -> SelfTestResult:
+    """Check RoPE + CP attention + CP loss on ``group`` against the unsharded computation.
+
+    Args:
+        group: the CP process group (None or one rank: cp_size 1). Collective over it.
+        method, backend, placement, ulysses_size, split_threshold: the configured CP
+            attention (as :func:`~cp_rope.parallel.context_parallel_attention` /
+            :func:`~cp_rope.parallel.per_document_attention`; ``split_threshold`` None with
+            per_document: :func:`~cp_rope.parallel.default_split_threshold`).
+        q_heads, kv_heads, head_dim, dtype, device: the model's attention shapes and compute
+            dtype, and this rank's device.
+        cp_rank, cp_size: the data's CP position (what the data loader shards with); default
+            the group's rank and size.
+        data_placement: how the data is placed (default ``placement``).
+        seed: of the test's own generator (rank 0's numbers are broadcast).
+
+    The batch: documents of 1, 0, 7, ``split_threshold + 1`` (zigzag: ``8 cp_size + 1``), 13,
+    ``2 cp_size + 1`` and 3 tokens, each padded to a multiple of ``2 cp_size``; random q, k,
+    v, an output projection to 64 classes and labels. Compared: the loss, the attention
+    output, dq, dk, dv (after RoPE's backward) and the projection's gradient, each as
+    ``max |CP - unsharded| / max |unsharded|`` against :data:`TOLERANCE` of ``dtype``.
+
+    Returns: a :class:`SelfTestResult` (time, errors).
+
+    Raises: SelfTestError on every rank naming the setting and the largest difference
+    (which result, its document, row and head), or the exception the CP run raised.
+    """
+    t0 = time.perf_counter()
+    device = torch.device(device)
+    C = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
+    r = dist.get_rank(group) if C > 1 else 0
+    if C == 1:
+        group = None
+    data_rank = r if cp_rank is None else cp_rank
+    data_size = C if cp_size is None else cp_size
+    data_place = placement if data_placement is None else data_placement
+    setting = dict(method=method, backend=backend, placement=placement, ulysses_size=ulysses_size,
+                   split_threshold=split_threshold, cp_size=C, dtype=str(dtype).removeprefix("torch."))
+    if C > 1:  # the data's CP position must be the group's, on every rank
+        views: list = [None] * C
+        dist.all_gather_object(views, (data_rank, data_size, data_place), group=group)
+        bad = [f"group rank {i} holds data cp_rank {v[0]} of cp_size {v[1]} ({v[2]})"
+               for i, v in enumerate(views) if v != (i, C, placement)]
+        if bad:
+            raise SelfTestError(f"cp self-test ({_describe(setting)}): the data is not sharded "
+                                f"for this group: " + "; ".join(bad))
+    thr = split_threshold
+    if thr is None and "per_document" in (placement, data_place):
+        thr = default_split_threshold(head_dim, max(data_size, 1))
+    gen = torch.Generator().manual_seed(seed)
+    glob = _global_batch(max(data_size, 1), thr, gen)
+    T = glob.input_ids.numel()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    qkvw = [torch.randn(T, h, head_dim, generator=gen) for h in (q_heads, kv_heads, kv_heads)]
+    qkvw.append(torch.randn(q_heads * head_dim, _VOCAB, generator=gen) / (q_heads * head_dim) ** 0.5)
+    qkvw = [t.to(device, dtype if i < 3 else acc) for i, t in enumerate(qkvw)]
+    if C > 1:  # rank 0's numbers everywhere
+        for t in qkvw:
+            dist.broadcast(t, src=dist.get_global_rank(group, 0), group=group)
+    cos, sin = rope_cache(glob.max_seqlen + 1, head_dim, device=device)
+
+    error, got = None, None
+    try:
+        got = _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place, thr,
+                      method, backend, placement, ulysses_size, device)
+    except Exception as exc:  # a CP run that fails is a failed self-test, on every rank
+        error = f"{type(exc).__name__}: {exc}"
+    if C > 1:
+        errs: list = [None] * C
+        dist.all_gather_object(errs, error, group=group)
+        error = next((f"rank {i}: {e}" for i, e in enumerate(errs) if e is not None), None)
+    if error is not None:
+        raise SelfTestError(f"cp self-test ({_describe(setting)}) failed: {error}")
+    ref = _unsharded(glob, qkvw, cos, sin, acc)
+    tol = TOLERANCE[dtype]
+    errors, worst = {}, None
+    cu = glob.cu_seqlens.long()
+    for name in ("output", "dq", "dk", "dv", "loss", "dW"):
+        g, e = got[name].to("cpu", torch.float64), ref[name].to("cpu", torch.float64)
+        diff = (g - e).abs()
+        scale = max(float(e.abs().max()), 1e-30) if e.numel() else 1.0
+        rel = float(diff.max()) / scale if diff.numel() else 0.0
+        rel = float("inf") if not np.isfinite(rel) or bool(g.isnan().any()) else rel
+        errors[name] = rel
+        if rel > tol and (worst is None or rel > worst[0]):
+            where = ""
+            if name in ("output", "dq", "dk", "dv"):
+                flat = int(torch.nan_to_num(diff, nan=float("inf")).flatten().argmax())
+                row, head = flat // (diff.shape[1] * diff.shape[2]), flat // diff.shape[2] % diff.shape[1]
+                doc = int(torch.searchsorted(cu, torch.tensor(row), right=True)) - 1
+                where = (f" at row {row} (document {doc} of length {int(glob.seq_lens[doc])}, "
+                         f"position {row - int(cu[doc])}), head {head}")
+            worst = (rel, f"{name} differs from the unsharded computation by {rel:.3g} of its "
+                          f"largest value (tolerance {tol:g} for {setting['dtype']}){where}")
+    if worst is not None:
+        raise SelfTestError(f"cp self-test ({_describe(setting)}) failed: {worst[1]}; all errors: "
+                            + ", ".join(f"{k} {v:.2g}" for k, v in errors.items()))
+    return SelfTestResult(time.perf_counter() - t0, errors, tol,
+                          tuple(int(x) for x in glob.seq_lens))
+
+
+def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place, thr, method,
+            backend, placement, ulysses_size, device) -> dict:
+    """This rank's sharded run, gathered back into global rows: a dict of results."""
+    from .attention import context_parallel_attention
+    from .per_document import per_document_attention
+
+    local = shard_batch(glob, max(data_size, 1), data_rank, placement=data_place,
+                        split_threshold=thr if data_place == "per_document" else None, pad_id=-1)
+    rows = local.input_ids  # global row of every local row (-1: padding)
+    real = rows >= 0
+    take = rows.clamp(min=0).to(device)
+    q, k, v = (torch.where(real.to(device)[:, None, None], t[take], 0).detach().requires_grad_()
+               for t in qkvw[:3])
+    W = qkvw[3].detach().clone().requires_grad_()
+    cu = local.cu_seqlens.to(device)
+    if placement == "per_document":
+        placed = local.placement if local.placement is not None else place_documents(
+            glob.cu_seqlens, C, thr)
+        qr, kr = _rope(q, k, cos, sin, cu, position_ids=local.position_ids.to(device))
+        out = per_document_attention(qr, kr, v, placement=placed, group=group, method=method,
+                                     backend=backend, ulysses_size=ulysses_size)
+    else:
+        qr, kr = _rope(q, k, cos, sin, cu, max_seqlen=local.max_seqlen,
+                                     cp_size=C, cp_rank=r)
+        out = context_parallel_attention(qr, kr, v, cu, local.max_seqlen, group=group,
+                                         method=method, backend=backend, ulysses_size=ulysses_size)
+    logits = out.reshape(out.shape[0], -1).to(W.dtype) @ W
+    loss = cp_cross_entropy(logits, local.labels.to(device), group)
+    loss.backward()
+    dW = W.grad
+    if group is not None:
+        dist.all_reduce(dW, group=group)
+    res = {"output": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
+    T = glob.input_ids.numel()
+    full = {}
+    for name, t in res.items():  # gather by the data's own row ids (independent of rank order)
+        parts = [t.new_empty(t.shape) for _ in range(C)] if C > 1 else [t]
+        ids = [rows.new_empty(rows.shape) for _ in range(C)] if C > 1 else [rows]
+        if C > 1:
+            dist.all_gather(parts, t.contiguous(), group=group)
+            dist.all_gather(ids, rows.to(device), group=group)
+        g = t.new_zeros((T, *t.shape[1:]))
+        for p, i in zip(parts, ids, strict=False):
+            i = i.to(device)
+            g[i[i >= 0]] = p[i >= 0]
+        full[name] = g
+    full["loss"] = loss.detach().reshape(1)
+    full["dW"] = dW
+    return full
+
+
+def _unsharded(glob, qkvw, cos, sin, acc) -> dict:
+    """The same computation on the whole batch, one process, plain attention in ``acc``."""
+    q, k, v = (t.detach().to(acc).requires_grad_() for t in qkvw[:3])
+    W = qkvw[3].detach().clone().requires_grad_()
+    cu = glob.cu_seqlens.to(q.device)
+    qr, kr = _rope(q, k, cos, sin, cu, max_seqlen=glob.max_seqlen)
+    out = _reference_attention(qr, kr, v, glob.cu_seqlens)
+    logits = out.reshape(out.shape[0], -1) @ W
+    loss = F.cross_entropy(logits.float() if acc != torch.float64 else logits,
+                           glob.labels.to(q.device), ignore_index=-100)
+    loss.backward()
+    return {"output": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
+            "loss": loss.detach().reshape(1), "dW": W.grad}
