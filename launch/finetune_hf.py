@@ -55,6 +55,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from cp_rope.hf import load_causal_lm, local_config, patch_model
+from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cp_rope.positions import global_positions
 
 from .cli import plain_text, run_cli
@@ -93,6 +94,12 @@ class HFConfig:
     """Local directory with config.json and optionally weights (model.safetensors / pytorch_model.bin); a config alone gives a random init from --seed. Never downloaded. Required."""
     rope_kernel: bool = True
     """RoPE by cp_rope's THD kernel (CP positions in-kernel); --no-rope-kernel keeps the model's own rotary embedding (on the global position_ids)."""
+    fused_loss: bool = True
+    """Loss from the base model's final hidden states and the lm_head weight in chunks of loss_chunk_size tokens (cp_rope.parallel.cp_linear_cross_entropy; tied embeddings and final logit softcapping included), so the [tokens, vocab_size] logits never exist whole; --no-fused-loss computes the logits, then cp_cross_entropy. Same value and gradients."""
+    loss_chunk_size: int = 0
+    """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
+    mlp_tile_tokens: int = 0
+    """Sequence-tiled MLP (ALST's TiledMLP) in every decoder layer: the MLP runs over tiles of this many tokens inside one autograd node, recomputed per tile in backward, so [tokens, intermediate_size] never exists whole; 0 = off. Same gradients."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
     """Recompute each decoder layer's activations in backward: none; full (keep the layer input); selective (also keep the attention output and its LSE; norms, projections and the MLP are recomputed). A bare --activation-checkpointing means full (cp_rope.launch.offload; transformers' own gradient checkpointing is not used)."""
     offload_activations: bool = False
@@ -133,18 +140,32 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
 class HFCausalLM(nn.Module):
     """The trainer's model interface over a transformers causal LM.
 
-    ``forward(input_ids [T], cu_seqlens [B + 1] int32, max_seqlen) -> logits [T, V]``
-    for this rank's zigzag shard (the positions are
-    :func:`cp_rope.global_positions` of ``cu_seqlens``, which reads
-    ``cu_seqlens[-1]`` on the host once per step). :meth:`configure_attention`
-    (what :func:`~cp_rope.launch.parallelize.apply_cp` calls) is
-    :func:`cp_rope.hf.patch_model`; :attr:`layers` are the decoder layers that
+    ``forward(input_ids [T], cu_seqlens [B + 1] int32, max_seqlen, *, position_ids=None,
+    labels=None, loss_group=None, logits_to_keep=0)`` for this rank's zigzag shard runs
+    the base model (``lm.base_model``) to the final hidden states ``[T, d]``, then:
+    without ``labels`` the logits ``[T, V]`` (``lm_head``, and the config's
+    ``final_logit_softcapping`` when the family has one); with ``labels`` (``[T]``,
+    already shifted) the group-mean loss over ``loss_group``:
+    :func:`cp_rope.parallel.cp_linear_cross_entropy` on the hidden states and the
+    ``lm_head`` weight (the input embedding when tied), so ``[T, V]`` never exists
+    (``fused_loss=False`` or an ``lm_head`` with a bias: the logits, then
+    :func:`cp_rope.parallel.cp_cross_entropy`). ``logits_to_keep`` as transformers'
+    (an int k > 0: the last k rows; a 1-D index tensor: those rows; 0: all) selects
+    the rows of the logits, and of the loss with their labels. ``position_ids``:
+    the batch's global positions ``[T]``; ``None`` computes them with
+    :func:`cp_rope.global_positions` (reads ``cu_seqlens[-1]`` on the host).
+    :meth:`configure_attention` (what :func:`~cp_rope.launch.parallelize.apply_cp`
+    calls) is :func:`cp_rope.hf.patch_model` (with ``mlp_tile_tokens``: the
+    sequence-tiled MLP); :attr:`layers` are the decoder layers that
     :func:`~cp_rope.launch.parallelize.apply_fsdp` shards one by one.
     """
 
-    def __init__(self, lm: nn.Module, *, rope_kernel: bool = True):
+    def __init__(self, lm: nn.Module, *, rope_kernel: bool = True, fused_loss: bool = True,
+                 loss_chunk_size: int = 0, mlp_tile_tokens: int = 0):
         super().__init__()
         self.lm, self.rope_kernel = lm, rope_kernel
+        self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
+        self.mlp_tile_tokens = mlp_tile_tokens
         self.cp_size, self.cp_rank = 1, 0
 
     @property
@@ -161,16 +182,35 @@ class HFCausalLM(nn.Module):
             raise ConfigError(f"parallel.rope_backend={rope_backend!r}: finetune_hf uses auto "
                               "(set CP_ROPE_BACKEND=torch|triton to force one)")
         patch_model(self.lm, group=cp_group, method=cp_method, backend=attn_backend,
-                    rope_kernel=self.rope_kernel, ulysses_size=ulysses_size)
+                    rope_kernel=self.rope_kernel, ulysses_size=ulysses_size,
+                    mlp_tile_tokens=self.mlp_tile_tokens or None)
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor,
-                max_seqlen: int) -> torch.Tensor:
-        pos = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
-        out = self.lm(input_ids=input_ids[None], position_ids=pos[None], cu_seq_lens_q=cu_seqlens,
-                      cu_seq_lens_k=cu_seqlens, max_length_q=int(max_seqlen),
-                      max_length_k=int(max_seqlen))
-        return out.logits[0]
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
+                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                loss_group: dist.ProcessGroup | None = None,
+                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+        if position_ids is None:
+            position_ids = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
+        out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None],
+                                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
+                                 max_length_q=int(max_seqlen), max_length_k=int(max_seqlen))
+        hidden = out.last_hidden_state[0]
+        if not isinstance(logits_to_keep, int) or logits_to_keep:  # transformers' semantics
+            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
+                else logits_to_keep
+            hidden = hidden[keep]
+            labels = None if labels is None else labels[keep]
+        head = self.lm.get_output_embeddings()
+        softcap = getattr(self.lm.config, "final_logit_softcapping", None)
+        if labels is not None and self.fused_loss and getattr(head, "bias", None) is None:
+            return cp_linear_cross_entropy(hidden, head.weight, labels, loss_group,
+                                           chunk_size=self.loss_chunk_size or None,
+                                           softcap=softcap)
+        logits = head(hidden)
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return logits if labels is None else cp_cross_entropy(logits, labels, loss_group)
 
 
 def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
@@ -184,6 +224,8 @@ def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
                        vocab_size=hf_config.vocab_size,
                        norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
                        rope_base=float(rope.get("rope_theta", 10000.0)), max_seq_len=0,
+                       fused_loss=hf.fused_loss, loss_chunk_size=hf.loss_chunk_size,
+                       mlp_tile_tokens=hf.mlp_tile_tokens,
                        activation_checkpointing=hf.activation_checkpointing,
                        offload_activations=hf.offload_activations, memory=hf.memory)
 
@@ -230,7 +272,8 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
     except ValueError as exc:  # damaged or mismatched weight files, named
         raise ConfigError(f"hf.{exc}") from None
     # activation checkpointing / offload: parallelize wraps self.layers (cp_rope.launch.offload)
-    return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel)
+    return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel, fused_loss=fc.hf.fused_loss,
+                      loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens)
 
 
 def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:

@@ -24,8 +24,11 @@ from cp_rope.parallel import (
     CPAttentionPlan,
     PerDocumentPlan,
     context_parallel_attention,
+    cp_cross_entropy,
+    cp_linear_cross_entropy,
     per_document_attention,
 )
+from cp_rope.parallel.tiled_mlp import tiled_mlp
 
 from .config import ModelConfig
 
@@ -76,15 +79,28 @@ class Attention(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``."""
+    """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``.
 
-    def __init__(self, dim: int, hidden: int):
+    ``tile_tokens`` > 0 (``--mlp-tile-tokens``): the sequence-tiled MLP of ALST
+    (:func:`cp_rope.parallel.tiled_mlp.tiled_mlp`): forward and backward run over
+    tiles of that many tokens inside one autograd node, so the ``[T, hidden]``
+    intermediates exist one tile at a time (the MLP's forward runs again in
+    backward); same result and gradients as untiled. 0 = untiled.
+    """
+
+    def __init__(self, dim: int, hidden: int, *, tile_tokens: int = 0):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.tile_tokens = tile_tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tile_tokens:
+            return tiled_mlp(self._mlp, x, self.tile_tokens, list(self.parameters()))
+        return self._mlp(x)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
@@ -102,7 +118,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, tile_tokens=cfg.mlp_tile_tokens)
         self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
@@ -146,7 +162,10 @@ class Transformer(nn.Module):
             neither: RoPE takes the positions and attention runs through a
             :class:`~cp_rope.parallel.PerDocumentPlan` (whole documents locally,
             split ones over the CP group);
-        returns ``[T, vocab_size]`` logits in the compute dtype.
+        labels, loss_group: with ``labels`` (``[T]``, the shard's) the forward
+            returns the loss instead of the logits (:meth:`head`: fused with the
+            output projection by default, so ``[T, vocab_size]`` never exists);
+        returns ``[T, vocab_size]`` logits in the compute dtype, or the 0-dim loss.
 
     Weights start from :meth:`init_weights` (normal ``init_std``; the output
     projection of every residual branch scaled by ``1 / sqrt(2 n_layers)``,
@@ -202,7 +221,9 @@ class Transformer(nn.Module):
                 nn.init.normal_(p, std=std)
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                placement=None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                placement=None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None,
+                loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         if (placement is None) != (position_ids is None):
             raise ValueError("placement and position_ids: a per-document shard passes both "
                              "(batch.placement, batch.position_ids), a zigzag shard neither")
@@ -215,7 +236,21 @@ class Transformer(nn.Module):
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)
-        return self.output(self.norm(h))
+        return self.head(self.norm(h), labels=labels, loss_group=loss_group)
+
+    def head(self, h: torch.Tensor, *, labels: torch.Tensor | None = None,
+             loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        """Final hidden states ``[T, dim]`` -> logits ``[T, vocab_size]``, or with ``labels``
+        the loss: :func:`~cp_rope.parallel.cp_linear_cross_entropy` over chunks of
+        ``cfg.loss_chunk_size`` tokens (``cfg.fused_loss``; the logits never exist whole),
+        else :func:`~cp_rope.parallel.cp_cross_entropy` on the logits; both the mean over
+        every real label of ``loss_group`` (``None``: the world)."""
+        if labels is None:
+            return self.output(h)
+        if self.cfg.fused_loss:
+            return cp_linear_cross_entropy(h, self.output.weight, labels, loss_group,
+                                           chunk_size=self.cfg.loss_chunk_size or None)
+        return cp_cross_entropy(self.output(h), labels, loss_group)
 
 
 def count_params(model: nn.Module, *, exclude_embedding: bool = False) -> int:

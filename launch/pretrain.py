@@ -18,7 +18,8 @@ Two nodes x 8 GPUs (run on every node; the rendezvous endpoint is node 0)::
 (``launch/slurm_pretrain.sh`` does the same under SLURM.) World size = dp x
 cp; every rank of a CP group reads the same global batch and keeps its zigzag
 shard; the loss is the mean over every real token of the job
-(:func:`cp_rope.parallel.cp_cross_entropy`) and gradients are summed over all
+(:func:`cp_rope.parallel.cp_linear_cross_entropy`, computed in the model's forward from
+its final hidden states) and gradients are summed over all
 ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
 params, fp32 reduction), one all-reduce of the flat gradient on CPU
 (``--fsdp on`` uses FSDP2 on CPU too).
@@ -47,7 +48,6 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from cp_rope.parallel import cp_cross_entropy
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import (
@@ -92,8 +92,10 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **batch.placement_kwargs())
-    loss = cp_cross_entropy(logits, batch.labels, loss_group)
+    # the loss inside the model's forward (its head: fused with the output projection unless
+    # --no-fused-loss), where FSDP2 holds the output weight unsharded
+    loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **batch.placement_kwargs(),
+                 labels=batch.labels, loss_group=loss_group)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:
         all_reduce_gradients(model, reduce_group)
@@ -273,7 +275,8 @@ def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
 
     ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
     :mod:`cp_rope.launch.finetune_hf`'s transformers model): a module with
-    ``forward(input_ids, cu_seqlens, max_seqlen) -> logits``, ``layers``,
+    ``forward(input_ids, cu_seqlens, max_seqlen, *, labels=None, loss_group=None)``
+    (logits, or with ``labels`` the group-mean loss), ``layers``,
     ``tok_embeddings`` and ``configure_attention`` (what :func:`parallelize` uses).
 
     Validates ``cfg`` against the world size, checks the out-dir, builds the

@@ -20,6 +20,7 @@ from cp_rope.positions import global_positions
 from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
 from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
+from .tiled_mlp import check_tile_tokens, tile_mlps
 
 __all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
            "CPRopePatch", "ATTN_IMPLEMENTATION"]
@@ -211,7 +212,8 @@ def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
 
 def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
                 method: str = "ring", backend: str = "auto", rope_kernel: bool = True,
-                ulysses_size: int | None = None) -> PreTrainedModel:
+                ulysses_size: int | None = None,
+                mlp_tile_tokens: int | None = None) -> PreTrainedModel:
     """Make ``model`` run packed rows with context parallelism over ``group`` (in place).
 
     Sets the attention implementation to ``"cp_rope"``, and with
@@ -232,6 +234,8 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
             for ``method="hybrid"``; Ulysses needs the head counts divisible by
             the all-to-all size, checked there).
         rope_kernel: use cp_rope's RoPE kernel instead of the model's rotation.
+        mlp_tile_tokens: run every decoder layer's MLP over tiles of this many tokens
+            (:func:`cp_rope.hf.tiled_mlp.tile_mlps`, ALST's TiledMLP); None = untiled.
 
     Returns: ``model`` itself (``model.cp_rope_patch`` holds the settings).
 
@@ -244,6 +248,8 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     """
     module, attn_name, rotary_name = _family(model)
     rope_kernel = check_bool("rope_kernel", rope_kernel)
+    if mlp_tile_tokens is not None:
+        check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
     method = check_choice("method", method, typing.get_args(_attention.Method))
     backend = check_choice("backend", backend, typing.get_args(_attention.BackendName))
     old = getattr(model, "cp_rope_patch", None)
@@ -283,6 +289,8 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     for m in attns:
         m.cp_rope_patch = patch
     patch._modules = attns
+    if mlp_tile_tokens is not None:
+        patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
     patch._handles.append(decoder.register_forward_pre_hook(
         lambda mod, args, kwargs: _before_forward(patch, args, kwargs), with_kwargs=True))
     patch._handles.append(decoder.register_forward_hook(

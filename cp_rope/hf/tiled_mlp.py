@@ -1,0 +1,60 @@
+"""Sequence-tiled MLPs for transformers models (``patch_model(..., mlp_tile_tokens=N)``).
+
+Every decoder layer's ``mlp`` (Llama, Mistral, Qwen2, Qwen3: ``gate_proj`` /
+``up_proj`` / ``down_proj``; Phi3: the fused ``gate_up_proj``) is position-wise,
+so it can run over tiles of tokens inside one autograd node:
+:func:`cp_rope.parallel.tiled_mlp.tiled_mlp` (ALST's TiledMLP, arXiv 2506.13996).
+The module keeps its class, parameters and state-dict names; only its
+``forward`` is wrapped (an instance attribute, removed by the handle).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from cp_rope.parallel.tiled_mlp import check_tile_tokens, tiled_mlp
+
+__all__ = ["tile_mlps", "TiledMLPHandle", "check_tile_tokens"]
+
+
+class TiledMLPHandle:
+    """Undoes one module's tiling (``remove()``, as a hook handle)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
+
+
+def tile_mlps(model: nn.Module, tile_tokens: int) -> list[TiledMLPHandle]:
+    """Run the ``mlp`` of every decoder layer of ``model`` over tiles of ``tile_tokens`` tokens.
+
+    Args:
+        model: a transformers causal LM (or its base model) whose ``base_model.layers``
+            are decoder layers with an ``mlp`` sub-module of input ``[B, T, hidden]``.
+        tile_tokens: tokens per tile along ``T`` (>= 1).
+
+    Returns: one handle per wrapped MLP (``handle.remove()`` restores it).
+
+    Raises: TypeError/ValueError naming ``mlp_tile_tokens``; ValueError when the model has
+    no decoder layer with an ``mlp``.
+    """
+    tile = check_tile_tokens(tile_tokens, "mlp_tile_tokens")
+    layers = getattr(getattr(model, "base_model", model), "layers", None) or []
+    mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module)]
+    if not mlps:
+        raise ValueError("mlp_tile_tokens: the model has no decoder layers with an mlp "
+                         "(base_model.layers[i].mlp) to tile")
+    handles = []
+    for mlp in mlps:
+        TiledMLPHandle(mlp).remove()  # tiled once, never a tile of a tile
+        original = mlp.forward
+
+        def forward(x, _mlp=mlp, _original=original):
+            # the parameters as registered now (FSDP2 swaps in its unsharded ones per forward)
+            return tiled_mlp(_original, x, tile, list(_mlp.parameters()), dim=-2)
+
+        mlp.forward = forward
+        handles.append(TiledMLPHandle(mlp))
+    return handles

@@ -1,0 +1,175 @@
+"""The fused loss and the sequence-tiled MLP inside the models, one process:
+the SwiGLU FeedForward tiled == untiled in float64; launch.model.Transformer and
+finetune_hf's HFCausalLM give the same loss and parameter gradients fused / unfused
+and tiled / untiled (float32 there: cp_rope's RoPE kernel runs float32 at most, and
+both sides compute the same terms in another order, so float32 tolerances); bad sizes
+name their flag."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from utils import assert_close  # noqa: E402
+
+from cp_rope.launch.config import ConfigError, ModelConfig, PretrainConfig, validate  # noqa: E402
+from cp_rope.launch.model import Transformer  # noqa: E402
+from cp_rope.parallel import PackingCollator, cp_cross_entropy  # noqa: E402
+
+V = 61
+
+
+def _batch(seed=1, lens=(5, 13, 1, 8, 3, 6, 20)):
+    g = torch.Generator().manual_seed(seed)
+    return PackingCollator()([{"input_ids": torch.randint(0, V, (n,), generator=g)}
+                              for n in lens])
+
+
+def _loss_and_grads(model, call):
+    model.zero_grad(set_to_none=True)
+    loss = call(model)
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()
+                           if p.grad is not None}
+
+
+def _compare(a, b, what):
+    assert_close(a[0].reshape(1), b[0].reshape(1), name=f"{what}: loss")
+    assert a[1].keys() == b[1].keys() and len(a[1]) > 0
+    for name in a[1]:
+        assert_close(a[1][name], b[1][name], name=f"{what}: d{name}")
+
+
+@pytest.mark.parametrize("tile", [1, 7, 64])
+def test_tiled_feed_forward_equals_untiled_float64(tile):
+    from cp_rope.launch.model import FeedForward
+
+    torch.manual_seed(tile)
+    plain = FeedForward(24, 40).double()
+    tiled = FeedForward(24, 40, tile_tokens=tile).double()
+    tiled.load_state_dict(plain.state_dict())
+    x = torch.randn(53, 24, dtype=torch.float64)
+    go = torch.randn(53, 24, dtype=torch.float64)
+    results = []
+    for m in (plain, tiled):
+        xi = x.clone().requires_grad_()
+        y = m(xi)
+        y.backward(go)
+        results.append([y, xi.grad] + [p.grad for p in m.parameters()])
+    for name, a, b in zip(["out", "dx", "dw1", "dw3", "dw2"], *results, strict=True):
+        assert_close(b, a, name=f"tile {tile}: {name}")
+    with torch.no_grad():  # no autograd node: plain tiles
+        assert_close(tiled(x), plain(x), name="no_grad")
+
+
+def _native(**over):
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=48,
+                      vocab_size=V, max_seq_len=64, **over)
+    torch.manual_seed(0)
+    return Transformer(cfg, rope_backend="torch")
+
+
+def test_native_fused_loss_and_tiled_mlp_equal_the_plain_model():
+    b = _batch()
+
+    def loss(m):
+        return m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels)
+
+    def plain(m):  # logits, then the CP loss on them (the trainer before the fused loss)
+        return cp_cross_entropy(m(b.input_ids, b.cu_seqlens, b.max_seqlen), b.labels)
+
+    ref = _loss_and_grads(_native(fused_loss=False), plain)
+    _compare(_loss_and_grads(_native(fused_loss=False), loss), ref, "unfused head")
+    _compare(_loss_and_grads(_native(loss_chunk_size=7), loss), ref, "fused, chunk 7")
+    _compare(_loss_and_grads(_native(mlp_tile_tokens=5), loss), ref, "tiled MLP 5, fused")
+    _compare(_loss_and_grads(_native(mlp_tile_tokens=1, fused_loss=False), plain), ref,
+             "tiled MLP 1")
+    # no labels: the logits, as before
+    logits = _native(mlp_tile_tokens=4)(b.input_ids, b.cu_seqlens, b.max_seqlen)
+    assert logits.shape == (b.input_ids.numel(), V)
+
+
+@pytest.mark.parametrize("field, value", [("loss_chunk_size", -1), ("mlp_tile_tokens", -2)])
+def test_bad_sizes_name_the_field(field, value):
+    cfg = PretrainConfig()
+    setattr(cfg.model, field, value)
+    with pytest.raises(ConfigError, match=f"model.{field}"):
+        validate(cfg)
+    cfg = PretrainConfig()
+    cfg.model.fused_loss, cfg.model.loss_chunk_size = False, 64
+    with pytest.raises(ConfigError, match="model.loss_chunk_size.*--no-fused-loss"):
+        validate(cfg)
+
+
+# ------------------------------------------------------------------------- transformers
+def _hf(family="qwen3", tie=False, softcap=None, **kw):
+    H = pytest.importorskip("cp_rope.hf")
+    from cp_rope.launch.finetune_hf import HFCausalLM
+
+    name = {"qwen3": "Qwen3Config", "phi3": "Phi3Config", "llama": "LlamaConfig"}[family]
+    H.transformers.logging.set_verbosity_error()
+    extra = {"pad_token_id": 0} if family == "phi3" else {}
+    cfg = getattr(H.transformers, name)(
+        hidden_size=32, intermediate_size=48, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, vocab_size=V, max_position_embeddings=128, attention_dropout=0.0,
+        tie_word_embeddings=tie, **extra)
+    if softcap is not None:
+        cfg.final_logit_softcapping = softcap
+    torch.manual_seed(0)
+    lm = H.transformers.AutoModelForCausalLM.from_config(cfg)
+    model = HFCausalLM(lm, **kw)
+    model.configure_attention(cp_group=None, cp_method="ring", attn_backend="auto",
+                              rope_backend="auto")
+    return model
+
+
+@pytest.mark.parametrize("family, tie, softcap", [("qwen3", False, None), ("llama", True, 3.0),
+                                                  ("phi3", False, None)])
+def test_hf_fused_loss_and_tiled_mlp_equal_the_logits_path(family, tie, softcap):
+    b = _batch()
+
+    def loss(m):
+        return m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels)
+
+    def plain(m):  # the patched transformers model's own logits, then the CP loss
+        logits = m.lm(input_ids=b.input_ids[None], position_ids=b.position_ids[None],
+                      cu_seq_lens_q=b.cu_seqlens, cu_seq_lens_k=b.cu_seqlens,
+                      max_length_q=b.max_seqlen, max_length_k=b.max_seqlen).logits[0]
+        if softcap is not None:
+            logits = softcap * torch.tanh(logits / softcap)
+        return cp_cross_entropy(logits, b.labels)
+
+    ref = _loss_and_grads(_hf(family, tie, softcap, fused_loss=False), plain)
+    if tie:
+        m = _hf(family, tie, softcap)
+        assert m.lm.get_output_embeddings().weight is m.lm.get_input_embeddings().weight
+    _compare(_loss_and_grads(_hf(family, tie, softcap, fused_loss=False), loss), ref, "unfused")
+    _compare(_loss_and_grads(_hf(family, tie, softcap, loss_chunk_size=9), loss), ref, "fused")
+    tiled = _hf(family, tie, softcap, mlp_tile_tokens=4)
+    assert all("forward" in layer.mlp.__dict__ for layer in tiled.lm.base_model.layers)
+    _compare(_loss_and_grads(tiled, loss), ref, "tiled MLP 4, fused")
+    # logits: all rows, the last k (transformers' logits_to_keep), and the loss on kept rows
+    m = _hf(family, tie, softcap, loss_chunk_size=9)
+    with torch.no_grad():
+        full = m(b.input_ids, b.cu_seqlens, b.max_seqlen)
+        assert_close(full, m(b.input_ids, b.cu_seqlens, b.max_seqlen, position_ids=b.position_ids),
+                     name="logits with the batch's positions")
+        last = m(b.input_ids, b.cu_seqlens, b.max_seqlen, logits_to_keep=10)
+        assert_close(last, full[-10:], name="logits_to_keep=10")
+        kept = m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels, logits_to_keep=10)
+        assert_close(kept.reshape(1), cp_cross_entropy(full[-10:], b.labels[-10:]).reshape(1),
+                     name="loss on the kept rows")
+
+
+def test_hf_tiling_is_undone_and_bad_tile_names_the_argument():
+    H = pytest.importorskip("cp_rope.hf")
+    m = _hf("qwen3", mlp_tile_tokens=4)
+    H.unpatch_model(m.lm)
+    assert not any("forward" in layer.mlp.__dict__ for layer in m.lm.base_model.layers)
+    with pytest.raises(ValueError, match="mlp_tile_tokens"):
+        H.patch_model(m.lm, mlp_tile_tokens=0)
+    assert getattr(m.lm, "cp_rope_patch", None) is None  # refused before patching anything
