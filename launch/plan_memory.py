@@ -1,0 +1,364 @@
+"""Per-GPU memory of a training step, by component, and the cheapest settings that fit.
+
+Usage (no GPU needed; prints bytes per GPU by component and the choice)::
+
+    python -m cp_rope.launch.plan_memory --preset 1b --seq-len 262144
+    python -m cp_rope.launch.plan_memory --model /ckpt/Qwen3-0.6B --seq-len 1048576 --doc-len 16384
+    python -m cp_rope.launch.plan_memory --preset 8b --vocab-size 128256 --seq-len 1048576 \\
+        --cp-size 8 --gpu-memory-gib 131
+
+``--memory auto`` in ``cp_rope.launch.pretrain`` and ``finetune_hf`` calls
+:func:`choose` with the run's shapes and the GPU's memory.
+
+The model (bytes per GPU; ``T`` = tokens per step of a CP group, ``T/C`` per
+rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
+
+* parameters: fp32 shards ``4P/N`` + the bf16 root (embedding, head) and two
+  gathered layers (the current one and FSDP2's prefetch);
+* gradients: at the peak (the start of backward) only the root's and one
+  layer's exist unsharded (fp32 reduce); the optimizer step holds ``4P/N``;
+* optimizer: AdamW's two fp32 moments, ``8P/N``;
+* saved activations: per token per layer, what autograd keeps (counted from
+  the operators: norms keep their input, linears theirs, attention q, k, v, its
+  output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors; ``full``
+  keeps the layer input, ``selective`` the input, attention output and LSE);
+  with offload, two layers' worth in flight on the GPU;
+* one layer's working set: a checkpointed layer's recomputed tensors plus the
+  backward's transients (two ``[T, ffn]`` gradients untiled, one tile's worth tiled);
+* loss: unfused ``[T, V]`` logits, their fp32 copy and gradient; fused
+  (:func:`cp_rope.parallel.cp_linear_cross_entropy`): one chunk of logits, the
+  hidden-state gradient and the fp32 head-weight gradient;
+* attention workspace: LSE and softmax statistics, fp32 dq/dk/dv accumulators under CP;
+* communication: the ring's K/V receive buffers (all-gather: every rank's K/V).
+
+Calibrated on one H200 (issue 21's table): ``--preset 1b`` full checkpointing
+at 131,072 / 262,144 tokens and no checkpointing at 65,536 tokens land within 2 %.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+
+from .config import PRESETS, ConfigError, ModelConfig
+
+__all__ = ["Shapes", "Settings", "estimate", "candidates", "choose", "auto_settings", "main", "GIB"]
+
+GIB = 1 << 30
+HOST_BW = 55e9
+"""Pinned host <-> device copy bandwidth, bytes/s each way (H200, issue 21)."""
+ASSUMED_FLOPS = 0.4 * 989e12
+"""Achieved bf16 FLOP/s assumed when ranking settings by time (only the order matters)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Shapes:
+    """What the memory model needs of a decoder-only model."""
+
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    tied: bool = False
+    qk_norm: bool = False
+    """Per-head q/k RMSNorm (Qwen3): two more saved tensors per layer."""
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn + 2 * self.dim
+
+    @property
+    def root_params(self) -> int:
+        return self.vocab * self.dim * (1 if self.tied else 2) + self.dim
+
+    @property
+    def params(self) -> int:
+        return self.n_layers * self.layer_params + self.root_params
+
+    @classmethod
+    def from_model_config(cls, m: ModelConfig) -> Shapes:
+        """cp_rope's Transformer (vocab_size 0: the byte tokenizer's 320)."""
+        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+                   head_dim=m.dim // m.n_heads, ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320)
+
+    @classmethod
+    def from_hf_dir(cls, path: str) -> Shapes:
+        """A transformers ``config.json`` (read as JSON; no transformers import)."""
+        f = os.path.join(path, "config.json")
+        if not os.path.isfile(f):
+            raise ConfigError(f"model={path!r}: no config.json there")
+        with open(f) as fh:
+            c = json.load(fh)
+        c = c.get("text_config", c)
+        heads = c["num_attention_heads"]
+        return cls(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
+                   n_kv_heads=c.get("num_key_value_heads") or heads,
+                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
+                   ffn=c["intermediate_size"], vocab=c["vocab_size"],
+                   tied=bool(c.get("tie_word_embeddings", False)),
+                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Settings:
+    """The memory knobs of a run (the trainers' flags of the same names)."""
+
+    activation_checkpointing: str = "none"
+    offload_activations: bool = False
+    mlp_tile_tokens: int = 0
+    """0 = untiled SwiGLU."""
+    fused_loss: bool = True
+    loss_chunk_size: int = 0
+    """0 = cp_rope.parallel.loss.auto_chunk_size(V)."""
+
+    def flags(self) -> str:
+        out = [f"--activation-checkpointing {self.activation_checkpointing}"]
+        if self.offload_activations:
+            out.append("--offload-activations")
+        if self.mlp_tile_tokens:
+            out.append(f"--mlp-tile-tokens {self.mlp_tile_tokens}")
+        out.append("--fused-loss" if self.fused_loss else "--no-fused-loss")
+        return " ".join(out)
+
+
+def _per_token_layer(s: Shapes, mode: str, tiled: bool) -> tuple[int, int]:
+    """(bytes kept per token per layer in ``mode``, bytes a recomputed layer holds per token)."""
+    q, kv, d = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim
+    lse = 4 * s.n_heads
+    # x, norm out (x2 norms), h; q', k', v, o; rstd of two norms (fp32)
+    everything = 2 * (4 * d + 2 * q + 2 * kv) + lse + 8
+    if s.qk_norm:
+        everything += 2 * (q + kv)
+    if not tiled:  # w1 x, w3 x, silu(w1 x), their product
+        everything += 2 * 4 * s.ffn
+    kept = {"none": everything, "full": 2 * d, "selective": 2 * d + 2 * q + lse}[mode]
+    return kept, everything
+
+
+def _loss_chunk(s: Shapes, st: Settings) -> int:
+    if st.loss_chunk_size:
+        return st.loss_chunk_size
+    return min(65536, max(256, (1 << 27) // max(s.vocab, 1) // 256 * 256))
+
+
+def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
+             doc_len: int | None = None, cp_method: str = "ring") -> dict[str, int]:
+    """Peak bytes per GPU by component (and ``"total"``) for one step of ``tokens`` tokens per CP
+    group (``doc_len``: documents' length, default ``tokens``: one sequence).
+
+    Raises: ValueError naming the argument (non-positive sizes, unknown mode).
+    """
+    for name, v in (("tokens", tokens), ("cp", cp), ("dp", dp)):
+        if not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    if st.activation_checkpointing not in ("none", "full", "selective"):
+        raise ValueError(f"activation_checkpointing={st.activation_checkpointing!r}: expected "
+                         "none, full or selective")
+    n, t = dp * cp, -(-tokens // cp)
+    q, kv, d = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim
+    tiled = st.mlp_tile_tokens > 0
+    kept, everything = _per_token_layer(s, st.activation_checkpointing, tiled)
+    saved_layers = 2 if st.offload_activations else s.n_layers
+    out = {
+        "parameters": 4 * s.params // n + 2 * s.root_params + 2 * 2 * s.layer_params,
+        "gradients": 4 * (s.root_params + s.layer_params),
+        "optimizer": 8 * s.params // n,
+        # + the layer outputs between layers / the final norm's input and output
+        "saved activations": t * (saved_layers * kept + 3 * 2 * d),
+    }
+    transient = 2 * 2 * s.ffn if not tiled else 2 * 2 * d  # the MLP's input gradients
+    recomputed = everything if st.activation_checkpointing != "none" else 0
+    tile = min(st.mlp_tile_tokens or t, t)
+    out["layer working set"] = t * (recomputed + transient) + (tile * 2 * 7 * s.ffn if tiled else 0)
+    if st.fused_loss:
+        c = min(_loss_chunk(s, st), t)
+        out["loss"] = c * s.vocab * 8 + t * d * 2 + 4 * s.vocab * d
+    else:
+        out["loss"] = t * s.vocab * 12
+    out["attention workspace"] = t * s.n_heads * 4 * 2 + (t * (q + 2 * kv) * 4 if cp > 1 else 0)
+    if cp == 1:
+        comm = 0
+    elif cp_method == "allgather":
+        comm = cp * t * 2 * kv * 2
+    else:
+        comm = 2 * t * 2 * kv * 2
+    out["communication"] = comm
+    out["total"] = max(sum(out.values()), 16 * s.params // n)  # the optimizer step's peak
+    out["host (pinned)"] = t * s.n_layers * kept if st.offload_activations else 0
+    return out
+
+
+def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
+                 doc_len: int | None = None) -> float:
+    """A rough time of one step per GPU, for ranking settings: 3x the forward FLOPs, plus what
+    is recomputed, plus offload copies the compute does not hide."""
+    t = tokens / cp
+    doc = min(doc_len or tokens, tokens)
+    q = s.n_heads * s.head_dim
+    dense = 2 * s.n_layers * s.layer_params * t
+    mlp = 2 * s.n_layers * 3 * s.dim * s.ffn * t
+    attn = 2 * s.n_layers * t * doc * q  # causal: QK^T and PV over half the square
+    flops = 3 * (dense + attn + 2 * s.vocab * s.dim * t)
+    flops += {"none": 0, "selective": dense, "full": dense + attn}[st.activation_checkpointing]
+    if st.mlp_tile_tokens:  # the tiled MLP's own recomputation in backward
+        flops += mlp
+    compute = flops / ASSUMED_FLOPS
+    if st.offload_activations:
+        kept, _ = _per_token_layer(s, st.activation_checkpointing, st.mlp_tile_tokens > 0)
+        copy = 2 * s.n_layers * kept * t / HOST_BW
+        compute += max(0.0, copy - 0.5 * compute) + 0.02 * compute
+    return compute
+
+
+def candidates(s: Shapes, *, tiled_mlp: bool = True, fused_loss: bool = True,
+               tile_tokens: int = 8192) -> list[Settings]:
+    """Every combination the planner considers."""
+    out = []
+    for mode in ("none", "selective", "full"):
+        for off in (False, True):
+            for tile in ((0, tile_tokens) if tiled_mlp else (0,)):
+                for fused in ((True, False) if fused_loss else (False,)):
+                    out.append(Settings(activation_checkpointing=mode, offload_activations=off,
+                                        mlp_tile_tokens=tile, fused_loss=fused))
+    return out
+
+
+def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
+           doc_len: int | None = None, headroom: float = 0.92, host_bytes: int = 100 * GIB,
+           **kw) -> tuple[Settings, dict]:
+    """The fastest :func:`candidates` setting whose estimate fits ``headroom * gpu_bytes`` (and,
+    offloading, whose pinned host memory fits ``host_bytes`` per GPU).
+
+    Returns: ``(settings, estimate)``.
+
+    Raises: ConfigError saying what the leanest setting would need (GiB) when none fits.
+    """
+    budget = headroom * gpu_bytes
+    scored = []
+    for st in candidates(s, **kw):
+        est = estimate(s, st, tokens=tokens, cp=cp, dp=dp, doc_len=doc_len)
+        scored.append((step_seconds(s, st, tokens=tokens, cp=cp, dp=dp, doc_len=doc_len),
+                       est["total"], st, est))
+    fits = [x for x in scored if x[1] <= budget and x[3]["host (pinned)"] <= host_bytes]
+    if not fits:
+        lean = min(scored, key=lambda x: x[1])
+        raise ConfigError(
+            f"memory=auto: nothing fits {tokens:,} tokens per step at cp {cp} x dp {dp} in "
+            f"{gpu_bytes / GIB:.1f} GiB per GPU ({headroom:.0%} usable): the leanest setting "
+            f"({lean[2].flags()}) needs {lean[1] / GIB:.1f} GiB per GPU; use a larger --cp-size "
+            f"(memory per GPU falls about as 1/cp) or fewer --tokens-per-batch")
+    best = min(fits, key=lambda x: (x[0], x[1]))
+    return best[2], best[3]
+
+
+def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None,
+                  gpu_bytes: int | None = None):
+    """``--memory auto``: ``cfg`` (a PretrainConfig, vocab resolved) with the memory flags that
+    :func:`choose` picks for ``cfg.data.tokens_per_batch`` tokens per step on ``device``.
+
+    Knobs the model config does not have (``mlp_tile_tokens``, ``fused_loss``) are left out of
+    the search. On a CPU run nothing changes. Returns ``(cfg, message)``.
+
+    Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need.
+    """
+    m = cfg.model
+    if device.type != "cuda" and gpu_bytes is None:
+        return cfg, "memory=auto: a cpu run, the memory flags stay as given"
+    if gpu_bytes is None:
+        import torch
+
+        gpu_bytes = torch.cuda.get_device_properties(device).total_memory
+    s = shapes or Shapes.from_model_config(m)
+    has_tile, has_fused = hasattr(m, "mlp_tile_tokens"), hasattr(m, "fused_loss")
+    st, est = choose(s, tokens=cfg.data.tokens_per_batch, gpu_bytes=gpu_bytes, cp=cp, dp=dp,
+                     doc_len=cfg.data.seq_len, tiled_mlp=has_tile, fused_loss=has_fused)
+    new = {"activation_checkpointing": st.activation_checkpointing,
+           "offload_activations": st.offload_activations, "memory": "manual"}
+    if has_tile:
+        new["mlp_tile_tokens"] = st.mlp_tile_tokens
+    if has_fused:
+        new["fused_loss"] = st.fused_loss
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **new))
+    return cfg, (f"memory=auto: {st.flags()} (predicted peak {est['total'] / GIB:.1f} of "
+                 f"{gpu_bytes / GIB:.1f} GiB per GPU)")
+
+
+def report(s: Shapes, st: Settings, est: dict, *, title: str) -> str:
+    """A table of ``est`` (bytes per GPU by component) in GiB."""
+    lines = [title, f"  settings: {st.flags()}"]
+    for k, v in est.items():
+        lines.append(f"  {k:<20} {v / GIB:9.2f} GiB")
+    return "\n".join(lines)
+
+
+def _shapes(args) -> Shapes:
+    if args.model:
+        s = Shapes.from_hf_dir(args.model)
+    else:
+        if args.preset not in PRESETS:
+            raise ConfigError(f"preset={args.preset!r}: expected one of {sorted(PRESETS)}")
+        s = Shapes.from_model_config(PRESETS[args.preset]().model)
+    if args.vocab_size:
+        s = dataclasses.replace(s, vocab=args.vocab_size)
+    return s
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m cp_rope.launch.plan_memory",
+                                description=__doc__.split("\n\n")[0])
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--preset", default="1b", help=f"one of {sorted(PRESETS)} (default 1b)")
+    src.add_argument("--model", help="a transformers model directory (its config.json)")
+    p.add_argument("--vocab-size", type=int, default=0,
+                   help="override the vocabulary (presets: 0 = the byte tokenizer's 320)")
+    p.add_argument("--seq-len", type=int, required=True,
+                   help="tokens per step of one CP group (the global batch of a dp rank)")
+    p.add_argument("--doc-len", type=int, default=0,
+                   help="document length, tokens (default: --seq-len, one sequence)")
+    p.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks (default 1)")
+    p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--gpu-memory-gib", type=float, default=141e9 / GIB,
+                   help="memory of one GPU, GiB (default 131.3 = an H200's 141 GB)")
+    p.add_argument("--host-memory-gib", type=float, default=100.0,
+                   help="pinned host memory one GPU's offload may use, GiB (default 100)")
+    p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
+                   help="estimate this setting (with the other setting flags) instead of choosing")
+    p.add_argument("--offload-activations", action="store_true")
+    p.add_argument("--mlp-tile-tokens", type=int, default=0)
+    p.add_argument("--no-fused-loss", action="store_true")
+    args = p.parse_args(argv)
+    for name in ("seq_len", "cp_size", "dp_size"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.gpu_memory_gib <= 0:
+        p.error("--gpu-memory-gib must be > 0")
+    s = _shapes(args)
+    kw = dict(tokens=args.seq_len, cp=args.cp_size, dp=args.dp_size, doc_len=args.doc_len or None)
+    where = (f"{args.model or '--preset ' + args.preset}: {s.params / 1e9:.2f}B params, "
+             f"{args.seq_len:,} tokens/step, cp {args.cp_size} x dp {args.dp_size}, per GPU")
+    if args.activation_checkpointing:
+        st = Settings(activation_checkpointing=args.activation_checkpointing,
+                      offload_activations=args.offload_activations,
+                      mlp_tile_tokens=args.mlp_tile_tokens, fused_loss=not args.no_fused_loss)
+        est = estimate(s, st, **kw)
+        print(report(s, st, est, title=where))
+        return {"settings": dataclasses.asdict(st), "estimate": est}
+    try:
+        st, est = choose(s, gpu_bytes=int(args.gpu_memory_gib * GIB),
+                         host_bytes=int(args.host_memory_gib * GIB), **kw)
+    except ConfigError as exc:
+        print(f"{where}\n  error: {exc}")
+        return {"settings": None, "error": str(exc)}
+    print(report(s, st, est, title=where + f", fits {args.gpu_memory_gib:.1f} GiB"))
+    return {"settings": dataclasses.asdict(st), "estimate": est}
+
+
+if __name__ == "__main__":
+    main()

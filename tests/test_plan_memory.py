@@ -1,0 +1,120 @@
+"""The memory model and planner (cp_rope.launch.plan_memory): its arithmetic, its calibration
+against issue 21's measured peaks, the choice, the --memory auto hook and the command line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cp_rope.launch.config import ConfigError, PretrainConfig, preset
+from cp_rope.launch.plan_memory import (
+    GIB,
+    Settings,
+    Shapes,
+    auto_settings,
+    choose,
+    estimate,
+    main,
+)
+
+S = Shapes(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=100)
+
+
+def test_the_arithmetic_by_component():
+    """Hand-counted bytes of a tiny model: FSDP2 shards, saved tensors per mode, offload, CP."""
+    p = 3 * (64 * (2 * 64 + 2 * 32) + 3 * 64 * 96 + 128) + 2 * 100 * 64 + 64
+    assert S.params == p
+    full = estimate(S, Settings(activation_checkpointing="full", fused_loss=False), tokens=1000,
+                    dp=2)
+    assert full["optimizer"] == 8 * p // 2 and full["parameters"] >= 4 * p // 2
+    assert full["saved activations"] == 1000 * (3 * 2 * 64 + 3 * 2 * 64)  # inputs + 3 between
+    assert full["loss"] == 1000 * 100 * 12
+    none = estimate(S, Settings(fused_loss=False), tokens=1000, dp=2)
+    everything = 2 * (4 * 64 + 2 * 64 + 2 * 32) + 16 + 8 + 8 * 96
+    assert none["saved activations"] == 1000 * (3 * everything + 3 * 2 * 64)
+    assert none["layer working set"] == 1000 * 4 * 96  # no recomputation: transients only
+    assert full["layer working set"] == 1000 * (everything + 4 * 96)
+    sel = estimate(S, Settings(activation_checkpointing="selective"), tokens=1000)
+    assert sel["saved activations"] == 1000 * (3 * (2 * 64 + 2 * 64 + 16) + 3 * 2 * 64)
+    off = estimate(S, Settings(offload_activations=True), tokens=1000)
+    assert off["saved activations"] == 1000 * (2 * everything + 3 * 2 * 64)
+    assert off["host (pinned)"] == 1000 * 3 * everything
+    half = estimate(S, Settings(), tokens=1000, cp=2)
+    assert half["saved activations"] == estimate(S, Settings(), tokens=500)["saved activations"]
+    assert half["communication"] > 0 == estimate(S, Settings(), tokens=1000)["communication"]
+    assert all(v >= 0 for v in full.values())
+    assert full["total"] == sum(v for k, v in full.items() if k not in ("total", "host (pinned)"))
+
+
+def test_the_order_of_the_modes_and_knobs():
+    big = dict(tokens=65536)
+    m = {mode: estimate(S, Settings(activation_checkpointing=mode), **big)["total"]
+         for mode in ("none", "selective", "full")}
+    assert m["none"] > m["selective"] > m["full"]
+    tiled = estimate(S, Settings(mlp_tile_tokens=1024), **big)
+    assert tiled["saved activations"] < estimate(S, Settings(), **big)["saved activations"]
+    wide = Shapes(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=150000)
+    assert estimate(wide, Settings(fused_loss=True), **big)["loss"] < \
+        estimate(wide, Settings(fused_loss=False), **big)["loss"] / 10
+
+
+@pytest.mark.parametrize("mode,tokens,measured_gib", [
+    ("none", 65536, 103.5), ("full", 131072, 34.5), ("full", 262144, 59.2)])
+def test_calibration_against_issue_21s_h200_peaks(mode, tokens, measured_gib):
+    """--preset 1b on one H200 (torch 2.11, bf16, FSDP2, unfused loss, untiled MLP): within 10%."""
+    s = Shapes.from_model_config(preset("1b").model)
+    got = estimate(s, Settings(activation_checkpointing=mode, fused_loss=False), tokens=tokens)
+    assert abs(got["total"] / GIB / measured_gib - 1) < 0.10, got["total"] / GIB
+
+
+def test_choose_takes_the_fastest_setting_that_fits_and_says_what_it_would_need():
+    s = Shapes.from_model_config(preset("1b").model)
+    st, est = choose(s, tokens=8192, gpu_bytes=141 * 10**9)
+    assert st.activation_checkpointing == "none" and not st.offload_activations
+    st, est = choose(s, tokens=262144, gpu_bytes=40 * GIB, headroom=1.0)
+    assert est["total"] <= 40 * GIB and st.activation_checkpointing != "none"
+    with pytest.raises(ConfigError, match=r"nothing fits 4,194,304 tokens .* needs [\d.]+ GiB "
+                                          r"per GPU; use a larger --cp-size"):
+        choose(s, tokens=1 << 22, gpu_bytes=40 * GIB)
+    with pytest.raises(ValueError, match="tokens must be an int >= 1"):
+        estimate(s, Settings(), tokens=0)
+    with pytest.raises(ValueError, match="activation_checkpointing='most'"):
+        estimate(s, Settings(activation_checkpointing="most"), tokens=8)
+
+
+def test_memory_auto_sets_the_flags():
+    cfg = PretrainConfig()
+    cfg.model.vocab_size, cfg.model.memory = 320, "auto"
+    cfg.data.tokens_per_batch = 1 << 20
+    import torch
+
+    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=8 * GIB)
+    assert out.model.memory == "manual" and "memory=auto: --activation-checkpointing" in note
+    assert out.model.activation_checkpointing != "none" or out.model.offload_activations
+    same, note = auto_settings(cfg, torch.device("cpu"), dp=1, cp=1)
+    assert same is cfg and "cpu" in note
+    with pytest.raises(ConfigError, match="memory=auto: nothing fits"):
+        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=1 << 20)
+
+
+def test_command_line(tmp_path, capsys):
+    out = main(["--preset", "1b", "--seq-len", "1048576", "--cp-size", "8"])
+    text = capsys.readouterr().out
+    assert "cp 8 x dp 1, per GPU" in text and "saved activations" in text
+    assert out["estimate"]["total"] <= 0.92 * 141e9
+    cfg = {"model_type": "qwen3", "hidden_size": 1024, "num_hidden_layers": 8,
+           "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128,
+           "intermediate_size": 3072, "vocab_size": 151936, "tie_word_embeddings": True}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    s = Shapes.from_hf_dir(str(tmp_path))
+    assert (s.head_dim, s.tied, s.qk_norm) == (128, True, True)
+    out = main(["--model", str(tmp_path), "--seq-len", "262144", "--activation-checkpointing",
+                "full", "--offload-activations"])
+    assert out["settings"]["offload_activations"] and out["estimate"]["host (pinned)"] > 0
+    out = main(["--preset", "8b", "--seq-len", "1048576", "--gpu-memory-gib", "80"])
+    assert out["settings"] is None and "needs" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--preset", "1b", "--seq-len", "0"])
+    with pytest.raises(ConfigError, match="no config.json"):
+        Shapes.from_hf_dir(str(tmp_path / "nothing"))
