@@ -72,6 +72,7 @@ from .config import (
 )
 from .data import load_tokenizer
 from .offload import checkpoint_flag_argv
+from .plan_memory import Shapes
 from .pretrain import set_up, setup_distributed, summarize, train_loop
 
 __all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
@@ -295,6 +296,13 @@ def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:
     return path
 
 
+def _memory_knobs(fc: FinetuneConfig, cfg: PretrainConfig) -> FinetuneConfig:
+    """``fc`` with the tiled-MLP and fused-loss choice of ``cfg.model`` (``--memory auto`` sets them)."""
+    m = cfg.model
+    return dataclasses.replace(fc, hf=dataclasses.replace(
+        fc.hf, mlp_tile_tokens=m.mlp_tile_tokens, fused_loss=m.fused_loss))
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Entry point: parse, validate, set up the process group, train, ``save_pretrained``.
 
@@ -309,7 +317,8 @@ def main(argv: list[str] | None = None) -> dict:
     validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
     created, _ = setup_distributed(cfg)
     try:
-        tr = set_up(cfg, build=lambda _cfg, device: build_model(fc, device))
+        tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
+                    memory_shapes=Shapes.from_hf_dir(fc.hf.model))
         if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
             path = os.path.join(cfg.train.out_dir, "config.json")
             with open(path, "w") as f:

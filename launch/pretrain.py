@@ -63,6 +63,7 @@ from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params
 from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lambda
 from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
+from .plan_memory import auto_settings
 from .run_dir import prepare_out_dir
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
@@ -270,7 +271,7 @@ class Trainer:
         return os.path.join(self.cfg.train.out_dir, "checkpoints")
 
 
-def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
+def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     """Everything before the first step, inside an initialised process group.
 
     ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
@@ -278,6 +279,8 @@ def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
     ``forward(input_ids, cu_seqlens, max_seqlen, *, labels=None, loss_group=None)``
     (logits, or with ``labels`` the group-mean loss), ``layers``,
     ``tok_embeddings`` and ``configure_attention`` (what :func:`parallelize` uses).
+    ``--memory auto`` picks the memory flags (:func:`cp_rope.launch.plan_memory.auto_settings`)
+    for ``memory_shapes`` (a :class:`~cp_rope.launch.plan_memory.Shapes`; default: ``cfg.model``'s).
 
     Validates ``cfg`` against the world size, checks the out-dir, builds the
     ``("dp", "cp")`` mesh, the data (corpus, dataset, this rank's loader), the
@@ -302,6 +305,9 @@ def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
 
     corpus = load_corpus(cfg.data, cfg.model.vocab_size)
     cfg = _resolve(cfg, corpus.vocab_size)
+    memory_note = None
+    if cfg.model.memory == "auto":  # before the model exists: the choice shapes it
+        cfg, memory_note = auto_settings(cfg, device, dp=dims.dp, cp=dims.cp, shapes=memory_shapes)
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
@@ -339,6 +345,8 @@ def set_up(cfg: PretrainConfig, *, build=None) -> Trainer:
             json.dump(to_dict(cfg), f, indent=2)
     for path, reason in skipped:
         log.write(f"skipped {path}: {reason}")
+    if memory_note:
+        log.write(memory_note)
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
               f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
