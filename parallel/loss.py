@@ -191,14 +191,17 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if softcap is not None:  # Gemma 2: logits = softcap * tanh(logits / softcap)
                 th = torch.tanh(z.div_(softcap))
                 z = torch.mul(th, softcap, out=z)
-            lse = torch.logsumexp(z, dim=1)
+            # log-softmax and softmax in place (no second [c, V] buffer): z - max, exp, / sum
             valid = y != ignore_index
             tgt = torch.where(valid, y, 0).long()[:, None]
-            per_token = torch.where(valid, lse - z.gather(1, tgt).squeeze(1), 0.0)
+            z.sub_(z.amax(dim=1, keepdim=True))
+            z_tgt = z.gather(1, tgt).squeeze(1)
+            total = z.exp_().sum(dim=1)
+            per_token = torch.where(valid, total.log() - z_tgt, 0.0)
             local += per_token.sum().to(torch.float64)
             if grad_h is None and grad_w is None:
                 continue
-            g = z.sub_(lse[:, None]).exp_()  # softmax, in place
+            g = z.div_(total[:, None])  # softmax
             g.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=g.dtype))
             g.mul_((valid.to(dtype) * inv_n)[:, None])
             if th is not None:  # d softcap*tanh(z/softcap) / dz = 1 - tanh^2
