@@ -18,8 +18,9 @@ Two nodes x 8 GPUs (run on every node; the rendezvous endpoint is node 0)::
 (``launch/slurm_pretrain.sh`` does the same under SLURM.) World size = dp x
 cp; every rank of a CP group reads the same global batch and keeps its zigzag
 shard; the loss is the mean over every real token of the job
-(:func:`cp_rope.parallel.cp_linear_cross_entropy`, computed in the model's forward from
-its final hidden states) and gradients are summed over all
+(:func:`cp_rope.parallel.cp_cross_entropy` of the logits, computed in the model's forward
+without materialising them by :func:`cp_rope.parallel.cp_linear_cross_entropy`) and
+gradients are summed over all
 ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
 params, fp32 reduction), one all-reduce of the flat gradient on CPU
 (``--fsdp on`` uses FSDP2 on CPU too).
