@@ -21,11 +21,13 @@ dq / dk / dv.
 Backends (``name``: device, dtypes, head dims):
 
 * ``cudnn``: NVIDIA's cuDNN frontend THD ops (``nvidia-cudnn-frontend`` >=
-  1.32, the extra ``cudnn``), one varlen call per block, CUDA sm80+,
-  fp16/bf16, head dim <= 128 and a multiple of 8, GQA native. Its kernels
-  leave the rows of a segment without keys undefined and take the LSE padded
-  ``[B, H, max_q, 1]`` in the backward: the block's ``keyless_rows`` are set
-  to (0, -inf), and the merged LSE is re-padded once per block and backward.
+  1.32, the extra ``cudnn``), CUDA sm80+, fp16/bf16, head dim <= 128 and a
+  multiple of 8, GQA native (:mod:`cp_rope.parallel._cudnn_thd`). Its backward
+  takes the LSE padded ``[B, H, max_q, 1]``, so a block runs as one varlen call
+  when its segments' lengths are alike and otherwise as a few calls of
+  segments grouped by length (views, or gathered rows): padded LSE and
+  workspace stay O(T x H). Rows of a segment without keys come back undefined
+  and are set to (0, -inf).
 
 * ``reference``: pure PyTorch, any device, any floating dtype (computes in
   float64 for float64 input, else float32), any head dim; chunked over query
@@ -51,6 +53,8 @@ import torch
 from cp_rope.validation import check_choice
 
 from . import _compat
+from ._cudnn_thd import CudnnTHD as _CudnnTHD
+from .choices import BACKENDS
 
 __all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "BACKENDS"]
 
@@ -82,6 +86,13 @@ class Block:
     cu_q_host: torch.Tensor | None = None
     """``cu_q`` on the host, when the plan knows it (then :attr:`dense` reads no device)."""
     cu_k_host: torch.Tensor | None = None
+
+    @functools.cached_property
+    def backend_cache(self) -> dict:
+        """What a backend derives from the block once (e.g. the cuDNN calls of
+        :func:`~cp_rope.parallel._cudnn_thd.plan_calls` with their device tensors): built on
+        first use, kept as long as the block (the plan) lives."""
+        return {}
 
     @functools.cached_property
     def dense(self) -> tuple[tuple[int, int, int, int], ...]:
@@ -302,94 +313,6 @@ class _Cudnn:
             del g
 
 
-def _cudnn_bound(n: int) -> int:
-    """A max_seqlen for the cuDNN graph: a multiple of 64, at least 64 (s_q = s_kv = 1 is
-    refused by its backward; fewer distinct graphs to build and cache)."""
-    return max(64, -(-n // 64) * 64)
-
-
-class _PaddedLSE:
-    """The merged LSE ``[Hq, T]`` and its padded ``[B, Hq, S, 1]`` copies, made once per
-    block (the plan shares one Block object between the ring steps of a kind)."""
-
-    def __init__(self, lse):
-        self.lse, self._by_block = lse, {}
-
-    def padded(self, blk: Block, s: int) -> torch.Tensor:
-        """``[n_seg, Hq, s, 1]``: segment b's LSE in ``[b, :, :len_b]`` (rest: filler)."""
-        got = self._by_block.get(id(blk))
-        if got is None:
-            n = self.lse.shape[1]
-            src = (blk.cu_q[:-1, None].to(torch.int64)
-                   + torch.arange(s, device=self.lse.device)).clamp_(max=max(n - 1, 0))
-            got = self.lse.index_select(1, src.flatten()).view(-1, *src.shape)
-            got = got.transpose(0, 1).contiguous().unsqueeze(-1)
-            self._by_block[id(blk)] = got
-        return got
-
-
-class _CudnnTHD:
-    """cuDNN frontend attention: one THD (varlen) call per block, or one dense
-    ``[n, H, S, D]`` call on views when the block's segments are equal (:attr:`Block.uniform`:
-    equal-length documents; measured faster on an H200)."""
-
-    name = "cudnn"
-    partials_in_input_dtype = True
-
-    @staticmethod
-    def prepare_lse(lse):
-        return _PaddedLSE(lse)
-
-    @staticmethod
-    def _dense(blk: Block):
-        """``(n, s_q, s_k)`` of a block run as one dense call (equal segments of >= 64 rows:
-        the kernels refuse s = 1 and the THD ones serve short documents as well), or None."""
-        u = blk.uniform
-        return u if u is not None and min(u[1], u[2]) >= 64 else None
-
-    @staticmethod
-    def _bhsd(x, n, s):
-        """Rows ``[0, n s)`` of ``[T, H, D]`` as an ``[n, H, s, D]`` view."""
-        return x[:n * s].view(n, s, *x.shape[1:]).transpose(1, 2)
-
-    def forward(self, q, k, v, blk: Block, scale: float):
-        if blk.max_q == 0 or blk.max_k == 0:
-            return [], None
-        if self._dense(blk) is not None:
-            n, sq, sk = self._dense(blk)
-            o, stats = _compat.cudnn_dense_fwd(self._bhsd(q, n, sq), self._bhsd(k, n, sk),
-                                               self._bhsd(v, n, sk), blk.causal, scale)
-            lse = stats[..., 0].transpose(0, 1).reshape(q.shape[1], n * sq)
-            return [(0, o.transpose(1, 2).reshape(n * sq, *q.shape[1:]), lse)], None
-        out, lse = _compat.cudnn_thd_fwd(q, k, v, blk.cu_q, blk.cu_k, _cudnn_bound(blk.max_q),
-                                         _cudnn_bound(blk.max_k), blk.causal, scale)
-        if blk.keyless_rows is not None:  # undefined (NaN) there: no key, no contribution
-            out.index_fill_(0, blk.keyless_rows, 0.0)
-            lse.index_fill_(1, blk.keyless_rows, NEG_INF)
-        return [(0, out, lse)], None
-
-    def backward(self, dout, q, k, v, out, lse, blk: Block, scale: float, aux):
-        if blk.max_q == 0 or blk.max_k == 0:
-            return []
-        if not isinstance(lse, _PaddedLSE):
-            lse = _PaddedLSE(lse)
-        if self._dense(blk) is not None:
-            n, sq, sk = self._dense(blk)
-            bq, bk = (lambda x: self._bhsd(x, n, sq)), (lambda x: self._bhsd(x, n, sk))
-            g = _compat.cudnn_dense_bwd(bq(dout), bq(q), bk(k), bk(v), bq(out),
-                                        lse.padded(blk, sq), blk.causal, scale)
-            dq, dk, dv = (t.transpose(1, 2).reshape(-1, t.shape[1], t.shape[3]) for t in g)
-            return [(0, dq, 0, dk, dv)]
-        s_q = _cudnn_bound(blk.max_q)
-        dq, dk, dv = _compat.cudnn_thd_bwd(dout, q, k, v, out, lse.padded(blk, s_q), blk.cu_q,
-                                           blk.cu_k, s_q, _cudnn_bound(blk.max_k), blk.causal,
-                                           scale)
-        return [(0, dq, 0, dk, dv)]
-
-
-BACKENDS = ("cudnn", "flash_attn", "torch_cudnn", "torch_flash", "reference")
-
-
 def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     d = q.shape[-1]
@@ -424,9 +347,12 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
 def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
     """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs.
 
-    ``auto`` takes the first that runs these inputs of: cudnn (the cuDNN frontend, if
-    importable), flash_attn (if importable), torch_cudnn (a batch of one sequence),
-    torch_flash, reference.
+    ``auto``'s rule: the first of :data:`BACKENDS` that runs these inputs -- cudnn (the
+    cuDNN frontend importable; CUDA sm80+, fp16/bf16, head_dim <= 128), flash_attn (if
+    importable), torch_cudnn (a batch of one sequence), torch_flash, reference. The order
+    is by measured speed on an H200 (``docs/benchmarks.md``: cudnn is the fastest or within
+    run-to-run spread of the fastest on every measured layout, skewed ones included, since
+    it groups documents by length); it does not depend on the document lengths.
 
     Raises: ValueError naming the backend and the unsupported property.
     """
