@@ -11,26 +11,34 @@ A checkpoint is a DCP directory ``<out_dir>/checkpoints/step_<N>`` holding:
   every other file of the checkpoint (the ``.distcp`` shards that DCP's
   metadata names, and ``.metadata`` itself).
 
-Integrity. A save writes into ``step_<N>.partial``; every rank hashes its share
-of the files DCP reports written, rank 0 writes the manifest (fsynced, atomic
-replace) and only then renames the directory to ``step_<N>``. So a directory
-named ``step_<N>`` is a finished save, and a job killed at any moment of a save
-leaves at most a ``*.partial`` directory, which no resume looks at and the
-next save deletes. Loading verifies every file against the manifest first
-(:func:`verify_checkpoint`; the ranks split the hashing), so flipped bytes, a
-truncated or missing shard, a truncated ``.metadata`` or a damaged manifest
-raise :class:`CheckpointError` naming the file instead of loading changed
-weights. :func:`resume_checkpoint` picks the newest checkpoint that verifies
-and reports each newer one it skipped, with the reason.
+Integrity. A save writes into ``step_<N>.partial``; rank 0 lists the files DCP
+wrote there (on disk, never from ``dcp.save``'s return value, whose fields vary
+between torch versions) and checks them against the ones DCP's ``.metadata``
+names; every rank hashes its share, rank 0 writes the manifest (fsynced,
+atomic replace) and only then renames the directory to ``step_<N>``. So a
+directory named ``step_<N>`` is a finished save, and a job killed at any
+moment of a save leaves at most a ``*.partial`` directory, which no resume
+looks at and the next save deletes. A save that fails (read-only or full file
+system, a file-size limit) raises one :class:`CheckpointError` on every rank
+naming the cause and the last good checkpoint, which stays. Loading verifies
+every file against the manifest first (:func:`verify_checkpoint`; the ranks
+split the hashing) and the manifest against ``.metadata`` (every file it
+names must have an entry), so flipped bytes, a truncated or missing shard, a
+truncated ``.metadata`` or a damaged or incomplete manifest raise
+:class:`CheckpointError` naming the file instead of loading changed weights.
+:func:`resume_checkpoint` picks the newest checkpoint that verifies and
+reports each newer one it skipped, with the reason.
 
-Resuming needs the same world size (the per-rank entries are keyed by rank);
-model and optimizer shards themselves are resharded by DCP, so only the data
-position ties a checkpoint to its layout.
+Identity. The manifest records the run that wrote it (:func:`run_identity`:
+model shapes, data order, seed, cp_size, world size) and the torch version;
+:func:`load_checkpoint` compares them with this run before reading anything
+(:func:`check_run`) and fails naming both values. Model and optimizer shards
+are resharded by DCP, the per-rank data position is not, so the world size
+must match. A checkpoint written by one supported torch loads under another
+(DCP's format); if DCP cannot read it, the error names both torch versions.
 
-Space. :func:`check_checkpoint_space`, called before step 1, writes a small
-probe file on every rank (a read-only or full file system fails there, not at
-the end of the run) and compares the free space with
-:func:`estimate_checkpoint_bytes` (model and optimizer state).
+Space: :mod:`cp_rope.launch.checkpoint_space`. Version-dependent DCP details:
+:mod:`cp_rope.launch._compat`.
 """
 
 from __future__ import annotations
@@ -40,6 +48,7 @@ import json
 import os
 import random
 import re
+import resource
 import shutil
 
 import numpy as np
@@ -48,12 +57,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from .config import ConfigError
+from ._compat import DCP_ERRORS, dcp_named_files, failure_cause, torch_version
 
 __all__ = [
     "CheckpointError", "MANIFEST", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
-    "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "estimate_checkpoint_bytes",
-    "check_checkpoint_space",
+    "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "run_identity", "check_run",
 ]
 
 MANIFEST = "checksums.json"
@@ -182,23 +190,37 @@ def _check_file(path: str, name: str, want: dict) -> str | None:
     return None
 
 
+def _check_complete(path: str, files: dict) -> list[str]:
+    """Rank 0's part: ``.metadata`` against the manifest, then every file it names has an entry."""
+    if (fault := _check_file(path, ".metadata", files[".metadata"])) is not None:
+        return [fault]
+    try:
+        named = dcp_named_files(path)
+    except (OSError, ValueError) as exc:
+        return [f".metadata: {exc}"]
+    return [f"{n} is named by .metadata but has no entry in {MANIFEST} (the manifest is "
+            "incomplete)" for n in sorted(named - set(files))]
+
+
 def verify_checkpoint(path: str) -> str | None:
     """Check every file of checkpoint ``path`` against its :data:`MANIFEST`.
 
     Collective when a process group is initialised (every rank calls it; the
     ranks split the files and share the verdict, so every rank returns the
     same answer); plain function otherwise. Reads every byte of the
-    checkpoint once in total (SHA-256).
+    checkpoint once in total (SHA-256); rank 0 also reads ``.metadata``'s list
+    of files (each must have a manifest entry).
 
     Returns: ``None`` if it verifies, else why not (the file and the fault:
-    missing, wrong size, different SHA-256, damaged or missing manifest).
+    missing, wrong size, different SHA-256, damaged, missing or incomplete manifest).
     """
     rank, world = _rank_world()
     try:
         manifest = _read_manifest(path)
-        names = sorted(manifest["files"])
-        faults = [f for n in names[rank::world]
-                  if (f := _check_file(path, n, manifest["files"][n])) is not None]
+        files = manifest["files"]
+        faults = [] if rank else _check_complete(path, files)
+        names = sorted(n for n in files if n != ".metadata")
+        faults += [f for n in names[rank::world] if (f := _check_file(path, n, files[n])) is not None]
         mine = "; ".join(faults) or None
     except CheckpointError as exc:
         mine = str(exc).removeprefix(f"{path}: ")
@@ -236,22 +258,111 @@ def resume_checkpoint(root: str) -> tuple[str | None, list[tuple[str, str]]]:
     return None, []
 
 
+# ------------------------------------------------------------------ run identity
+def run_identity(cfg, world_size: int) -> dict:
+    """What ties a checkpoint to its run, recorded in its manifest and compared before a load:
+    the :data:`~cp_rope.launch.config.RESUME_FIXED` fields of ``cfg`` (model shapes, data
+    order, seed, cp_size, optimizer hyper-parameters) as ``"section.field": value``, and the
+    world size."""
+    from .config import RESUME_FIXED, to_dict
+
+    now = to_dict(cfg)
+    ident = {f"{s}.{n}": now[s][n] for s, names in RESUME_FIXED.items() for n in names}
+    return ident | {"world_size": world_size}
+
+
+def check_run(path: str, manifest: dict, run: dict | None, world: int) -> None:
+    """Raise CheckpointError (naming the checkpoint's and this run's values) when the
+    checkpoint ``path`` was written by another world size or, with ``run``
+    (:func:`run_identity`), another run. Keys an older manifest lacks are not compared."""
+    saved = dict(manifest.get("run") or {})
+    saved.setdefault("world_size", manifest.get("world_size"))
+    now = dict(run or {}) | {"world_size": world}
+    diffs = [f"{k}: {saved[k]!r} (checkpoint) != {v!r} (this run)" for k, v in now.items()
+             if saved.get(k) is not None and saved[k] != v]
+    if diffs:
+        raise CheckpointError(
+            f"{path} was written by another run ({'; '.join(diffs)}; checkpoint written by torch "
+            f"{manifest.get('torch', 'unknown')}, this is torch {torch_version()}); nothing was "
+            "loaded. Resume with the checkpoint's settings (the world size: the data position is "
+            "per rank), or start a new run (--overwrite or another --out-dir)")
+
+
 # ------------------------------------------------------------------ save / load
+def _agree(error: str | None) -> str | None:
+    """The first rank's error (or None) on every rank: one verdict, no rank left waiting."""
+    errors = [e for e in _gather(error) if e is not None]
+    return errors[0] if errors else None
+
+
+def _save_failed(root: str, name: str, step: int, cause: str) -> CheckpointError:
+    """The one error of a failed save: the cause, what the file system says, the last good one."""
+    notes = []
+    try:
+        notes.append(f"{shutil.disk_usage(root).free / 2**30:.2f} GiB free under {root}")
+    except OSError:
+        pass
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY:
+        notes.append(f"file-size limit (ulimit -f) {limit} bytes")
+    done = [d for s, d in _step_dirs(root) if s != step
+            and os.path.isfile(os.path.join(root, d, MANIFEST))]
+    last = (f"the last good checkpoint, {os.path.join(root, done[0])}, is kept (--resume "
+            "continues from it)" if done else "there is no earlier checkpoint")
+    return CheckpointError(f"saving checkpoint {name} failed: {cause}"
+                           + (f" ({'; '.join(notes)})" if notes else "") + f"; {last}")
+
+
+def _plan_hashing(tmp: str, world: int) -> tuple[list[list[str]] | None, str | None]:
+    """Rank 0, after DCP's save: the files on disk in ``tmp``, complete against the ones its
+    ``.metadata`` names, split into ``world`` shares of similar byte counts (largest first,
+    each to the least loaded rank; ``.metadata`` to rank 0)."""
+    try:
+        on_disk = {f: os.path.getsize(os.path.join(tmp, f)) for f in os.listdir(tmp)
+                   if os.path.isfile(os.path.join(tmp, f)) and not f.startswith(MANIFEST)}
+        if ".metadata" not in on_disk:
+            return None, "DCP wrote no .metadata"
+        missing = sorted(dcp_named_files(tmp) - set(on_disk))
+        if missing:
+            return None, f"files named by .metadata are not on disk: {', '.join(missing)}"
+    except (OSError, ValueError) as exc:
+        return None, f"cannot list the written files ({type(exc).__name__}: {exc})"
+    shares, load = [[".metadata"]] + [[] for _ in range(world - 1)], [on_disk[".metadata"]] + [0] * (world - 1)
+    for f in sorted((f for f in on_disk if f != ".metadata"), key=lambda f: (-on_disk[f], f)):
+        r = load.index(min(load))
+        shares[r].append(f)
+        load[r] += on_disk[f]
+    return shares, None
+
+
+def _write_manifest(tmp: str, manifest: dict) -> None:
+    with open(os.path.join(tmp, MANIFEST + ".tmp"), "w", encoding="utf-8") as f:
+        json.dump(manifest, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
+    _fsync_dir(tmp)
+
+
 def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, sampler_state: dict, keep: int = 0) -> str:
+                    scheduler, sampler_state: dict, keep: int = 0, *, run: dict | None = None) -> str:
     """Collective: every rank calls it. Writes ``root/step_<step>`` and returns its path.
 
     The files go to ``step_<step>.partial`` first; after DCP has written them,
-    the ranks hash them (each its share), rank 0 writes :data:`MANIFEST` and
-    renames the directory (replacing an earlier save of the same step). A
-    failure or a kill at any point leaves no ``step_<step>`` that looks
-    complete. ``keep > 0`` then deletes all but ``keep`` checkpoints of steps
-    up to ``step`` (rank 0): this one and the newest ``keep - 1`` older ones.
-    Newer ones (left by a run this one resumed before, because they failed
-    verification) are left for inspection until this run saves their step.
+    rank 0 lists the files on disk (complete against the ones ``.metadata``
+    names), the ranks hash them (each its share), rank 0 writes
+    :data:`MANIFEST` (with ``run``, :func:`run_identity`, and the torch
+    version) and renames the directory (replacing an earlier save of the same
+    step). A failure or a kill at any point leaves no ``step_<step>`` that
+    looks complete. ``keep > 0`` then deletes all but ``keep`` checkpoints of
+    steps up to ``step`` (rank 0): this one and the newest ``keep - 1`` older
+    ones. Newer ones (left by a run this one resumed before, because they
+    failed verification) are left for inspection until this run saves their step.
 
-    Raises: CheckpointError (on every rank) if a rank cannot hash its files;
-    DCP's CheckpointException if a write fails.
+    Raises: CheckpointError on every rank if any step of the save fails on any
+    rank (a read-only or full file system, a file-size limit, DCP's own
+    errors): one line naming the cause and the last good checkpoint, which is
+    kept; the ``.partial`` directory is removed.
     """
     rank, world = _rank_world()
     name = f"step_{step:08d}"
@@ -263,52 +374,66 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
         "train": {"step": step, "scheduler": scheduler.state_dict(), "world_size": world},
         f"rank{rank}": {"sampler": sampler_state, "rng": _rng_state()},
     }
+    error = None
     if rank == 0:  # leftovers of interrupted saves are never valid (saves are collective)
-        os.makedirs(root, exist_ok=True)
-        for d in os.listdir(root):
-            if d.endswith(_PARTIAL) and _STEP_DIR.match(d.removesuffix(_PARTIAL)):
-                shutil.rmtree(os.path.join(root, d))
-    if world > 1:
-        dist.barrier()
-    metadata = dcp.save(state, checkpoint_id=tmp)
-    shards = sorted({info.relative_path for info in metadata.storage_data.values()})
-    share = shards[rank::world] + ([".metadata"] if rank == 0 else [])
-    try:
-        mine = {f: {"size": os.path.getsize(os.path.join(tmp, f)), "sha256": _sha256(os.path.join(tmp, f))}
-                for f in share}
-        error = None
-    except Exception as exc:  # every rank must still reach the gather
-        mine, error = {}, f"rank {rank}: {type(exc).__name__}: {exc}"
-    gathered = _gather((mine, error))
-    errors = [e for _, e in gathered if e is not None]
-    if errors:
-        raise CheckpointError(f"{tmp}: hashing the written files failed ({'; '.join(errors)}); "
-                              f"{name} was not created")
-    if rank == 0:
+        try:
+            os.makedirs(root, exist_ok=True)
+            for d in os.listdir(root):
+                if d.endswith(_PARTIAL) and _STEP_DIR.match(d.removesuffix(_PARTIAL)):
+                    shutil.rmtree(os.path.join(root, d))
+        except OSError as exc:
+            error = failure_cause(exc)
+    if (error := _agree(error)) is None:
+        try:
+            dcp.save(state, checkpoint_id=tmp)
+        except DCP_ERRORS as exc:
+            error = failure_cause(exc)
+        error = _agree(error)
+    shares = None
+    if error is None:
+        shares, error = _broadcast(_plan_hashing(tmp, world) if rank == 0 else None)
+    if error is None:
+        try:
+            mine = {f: {"size": os.path.getsize(os.path.join(tmp, f)),
+                        "sha256": _sha256(os.path.join(tmp, f))} for f in shares[rank]}
+            mine_error = None
+        except Exception as exc:  # every rank must still reach the gather
+            mine, mine_error = {}, f"hashing on rank {rank}: {failure_cause(exc)}"
+        gathered = _gather((mine, mine_error))
+        error = next((e for _, e in gathered if e is not None), None)
+    if error is None and rank == 0:
         manifest = {"format": _FORMAT, "algorithm": "sha256", "step": step, "world_size": world,
+                    "torch": torch_version(), "run": run or {},
                     "files": dict(sorted((k, v) for part, _ in gathered for k, v in part.items()))}
-        with open(os.path.join(tmp, MANIFEST + ".tmp"), "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(os.path.join(tmp, MANIFEST + ".tmp"), os.path.join(tmp, MANIFEST))
-        _fsync_dir(tmp)
-        if os.path.isdir(path):  # an earlier save of this step (e.g. one that failed verification)
-            shutil.rmtree(path)
-        os.rename(tmp, path)
-        _fsync_dir(root)
-        if keep > 0:
-            older = [d for s, d in _step_dirs(root) if s < step
-                     and os.path.isfile(os.path.join(root, d, MANIFEST))]  # newest first
-            for d in older[keep - 1:]:
-                shutil.rmtree(os.path.join(root, d), ignore_errors=True)
+        try:
+            _write_manifest(tmp, manifest)
+            if os.path.isdir(path):  # an earlier save of this step (e.g. one that failed verification)
+                shutil.rmtree(path)
+            os.rename(tmp, path)
+            _fsync_dir(root)
+        except OSError as exc:
+            error = failure_cause(exc)
+    if world > 1:
+        error = _broadcast(error)
+    if error is not None:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if world > 1:
+            dist.barrier()
+        raise _save_failed(root, name, step, error)
+    if rank == 0 and keep > 0:
+        older = [d for s, d in _step_dirs(root) if s < step
+                 and os.path.isfile(os.path.join(root, d, MANIFEST))]  # newest first
+        for d in older[keep - 1:]:
+            shutil.rmtree(os.path.join(root, d), ignore_errors=True)
     if world > 1:
         dist.barrier()
     return path
 
 
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    scheduler, sampler_state: dict, *, verify: bool = True) -> tuple[int, dict]:
+                    scheduler, sampler_state: dict, *, verify: bool = True,
+                    run: dict | None = None) -> tuple[int, dict]:
     """Collective: restore model, optimizer, scheduler and RNG states in place.
 
     Args:
@@ -317,29 +442,44 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         verify: check every file against the manifest first
             (:func:`verify_checkpoint`); ``False`` only right after
             :func:`resume_checkpoint` has done so.
+        run: this run's :func:`run_identity`, compared with the one the
+            checkpoint recorded before anything is read (:func:`check_run`).
 
     Returns: ``(step, sampler_state)``, the step the checkpoint was saved after
     and this rank's saved sampler state.
 
-    Raises: CheckpointError if the checkpoint fails verification (nothing is
-    loaded); RuntimeError if it was written by another world size.
+    Raises: CheckpointError if the checkpoint fails verification, was written by
+    another world size or run (both values named; nothing is loaded), or DCP
+    cannot load it (the message names the torch that wrote it and this one).
     """
     if verify and (reason := verify_checkpoint(path)) is not None:
         raise CheckpointError(f"{path}: {reason}; nothing was loaded")
     rank, world = _rank_world()
+    try:
+        manifest, error = (_read_manifest(path), None) if rank == 0 else (None, None)
+    except CheckpointError as exc:
+        manifest, error = None, str(exc)
+    manifest, error = _broadcast((manifest, error))
+    if error is not None:
+        raise CheckpointError(error)
+    check_run(path, manifest, run, world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {
         "model": model_sd,
         "optim": optim_sd,
         "train": {"step": 0, "scheduler": scheduler.state_dict(), "world_size": 0},
     }
-    dcp.load(state, checkpoint_id=path)
-    if state["train"]["world_size"] != world:
-        raise RuntimeError(f"checkpoint {path!r} was saved by {state['train']['world_size']} ranks; "
-                           f"this job has {world} (the data position is per rank)")
     own = {f"rank{rank}": {"sampler": dict(sampler_state), "rng": _rng_state()}}
-    dcp.load(own, checkpoint_id=path)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    try:
+        dcp.load(state, checkpoint_id=path)
+        dcp.load(own, checkpoint_id=path)
+        set_state_dict(model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+    except DCP_ERRORS as exc:
+        raise CheckpointError(
+            f"{path}: loading failed ({failure_cause(exc)}); it was written by torch "
+            f"{manifest.get('torch', 'unknown (an older cp-rope)')}, this is torch "
+            f"{torch_version()}") from None
     scheduler.load_state_dict(state["train"]["scheduler"])
     # The optimizer state holds the LR the saved run's schedule set for the next step; a
     # resume with another schedule (--steps to extend a run, --warmup-steps, --min-lr-ratio)
@@ -349,66 +489,3 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     scheduler.step()
     _set_rng_state(own[f"rank{rank}"]["rng"])
     return int(state["train"]["step"]), own[f"rank{rank}"]["sampler"]
-
-
-# ------------------------------------------------------------------ space
-def estimate_checkpoint_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> int:
-    """Bytes one checkpoint of ``model`` and ``optimizer`` takes on disk, estimated.
-
-    Model: every parameter and buffer once at its dtype (a DTensor counts its
-    global size; DCP writes replicated tensors once). Optimizer: its state
-    tensors when it has stepped; before the first step (the state is created
-    lazily) two tensors per parameter at the parameter's size (Adam / AdamW's
-    ``exp_avg`` and ``exp_avg_sq``; an upper bound for SGD-style optimizers).
-    Plus 1 MiB for metadata, RNG and sampler states.
-    """
-    def nbytes(t: torch.Tensor) -> int:
-        return t.numel() * t.element_size()  # DTensor.numel() is the global size
-
-    params = sum(nbytes(p) for p in model.parameters())
-    total = params + sum(nbytes(b) for b in model.buffers())
-    states = [v for s in optimizer.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
-    total += sum(nbytes(v) for v in states) if states else 2 * params
-    return total + 2**20
-
-
-def check_checkpoint_space(root: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer, *,
-                           flag: str = "--out-dir") -> int:
-    """Before step 1: prove that a checkpoint can be written under ``root``. Collective.
-
-    Every rank creates ``root`` and writes, fsyncs and deletes a 1 MiB probe
-    file (a read-only, unwritable or already full file system fails here, not
-    at the first save after hours of training); rank 0 then compares the free
-    space with :func:`estimate_checkpoint_bytes` (the new checkpoint is written
-    before older ones are pruned, so one whole checkpoint must fit).
-
-    Returns: the estimate, in bytes.
-
-    Raises: ConfigError on every rank, naming ``flag`` and the path.
-    """
-    rank, _ = _rank_world()
-    need = estimate_checkpoint_bytes(model, optimizer)
-    probe = os.path.join(root, f".probe-rank{rank}")
-    try:
-        os.makedirs(root, exist_ok=True)
-        with open(probe, "wb") as f:
-            f.write(os.urandom(2**20))
-            f.flush()
-            os.fsync(f.fileno())
-        os.remove(probe)
-        error = None
-        if rank == 0 and (free := shutil.disk_usage(root).free) < need:
-            error = (f"a checkpoint needs about {need / 2**30:.2f} GiB (model and optimizer state), "
-                     f"the file system has {free / 2**30:.2f} GiB free; free space or choose "
-                     f"another {flag}")
-    except OSError as exc:
-        error = f"cannot write a checkpoint there ({exc.strerror or exc}) (rank {rank})"
-        if os.path.exists(probe):
-            try:
-                os.remove(probe)
-            except OSError:
-                pass
-    errors = [e for e in _gather(error) if e is not None]
-    if errors:
-        raise ConfigError(f"{flag} {root!r}: {errors[0]}")
-    return need

@@ -51,12 +51,8 @@ import torch.distributed as dist
 
 from cp_rope.parallel.mesh import ParallelDims
 
-from .checkpoint import (
-    check_checkpoint_space,
-    load_checkpoint,
-    resume_checkpoint,
-    save_checkpoint,
-)
+from .checkpoint import load_checkpoint, resume_checkpoint, run_identity, save_checkpoint
+from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
 from .config import ConfigError, PretrainConfig, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size, placement_args
@@ -326,13 +322,16 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     ckpt_root = os.path.join(cfg.train.out_dir, "checkpoints")
     t = cfg.train
     if t.save_final or t.checkpoint_every or t.save_on_signal:  # fail now, not at the first save
-        check_checkpoint_space(ckpt_root, model, optimizer)
+        saves = (t.steps // t.checkpoint_every if t.checkpoint_every else 0) + int(t.save_final)
+        check_checkpoint_space(ckpt_root, model, optimizer, keep=t.keep_checkpoints,
+                               saves=max(1, saves))
     step = 0
     # the newest checkpoint that verifies; newer damaged ones are reported, then replaced
     resume_from, skipped = resume_checkpoint(ckpt_root) if cfg.train.resume else (None, [])
     if resume_from is not None:
         step, sampler_state = load_checkpoint(resume_from, model, optimizer, scheduler,
-                                              batches.state_dict(), verify=False)  # just verified
+                                              batches.state_dict(), verify=False,  # just verified
+                                              run=run_identity(cfg, world))
         batches.load_state_dict(sampler_state)
     else:
         sampler.set_epoch(0)
@@ -408,7 +407,8 @@ def train_loop(tr: Trainer) -> None:
             if cfg.train.checkpoint_every and tr.step % cfg.train.checkpoint_every == 0 \
                     and tr.step < last:
                 save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,
-                                tr.batches.state_dict(), cfg.train.keep_checkpoints)
+                                tr.batches.state_dict(), cfg.train.keep_checkpoints,
+                                run=run_identity(cfg, world))
 
 
 def _log_step(tr: Trainer, loss: float, lr: float, grad_norm: float) -> None:
@@ -438,7 +438,8 @@ def summarize(tr: Trainer) -> dict:
     if (tr.interrupted and cfg.train.save_on_signal) or (not tr.interrupted and cfg.train.save_final):
         if step > start or tr.interrupted:
             path = save_checkpoint(tr.ckpt_root, step, tr.model, tr.optimizer, tr.scheduler,
-                                   tr.batches.state_dict(), cfg.train.keep_checkpoints)
+                                   tr.batches.state_dict(), cfg.train.keep_checkpoints,
+                                   run=run_identity(cfg, tr.dims.world_size))
             tr.log.write(f"checkpoint: {path}")
     tokens_per_s, only_first = tr.throughput.run_tokens_per_s()
     summary = {"losses": losses, "start_step": start, "steps_run": step - start,

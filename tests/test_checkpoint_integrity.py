@@ -27,6 +27,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from utils import tiny_pretrain_argv
 
 from cp_rope.launch import checkpoint as ckpt
+from cp_rope.launch import checkpoint_space as space
 from cp_rope.launch.checkpoint import (
     MANIFEST,
     CheckpointError,
@@ -86,7 +87,20 @@ DAMAGE = {
     "empty_metadata": (lambda p: _truncate(os.path.join(p, ".metadata"), 0.0), ".metadata"),
     "damaged_manifest": (lambda p: _truncate(os.path.join(p, MANIFEST), 0.5), MANIFEST),
     "missing_manifest": (lambda p: os.remove(os.path.join(p, MANIFEST)), MANIFEST),
+    "shard_entry_dropped_and_shard_damaged": (lambda p: _drop_entry_and_flip(p), ".distcp"),
 }
+
+
+def _drop_entry_and_flip(path: str) -> None:
+    """Remove the largest shard's entry from the manifest (still valid JSON), then damage the
+    shard: the manifest no longer covers every file .metadata names (issue 22 item 12)."""
+    shard = _shard(path)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    del manifest["files"][os.path.basename(shard)]
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    _flip(shard)
 
 
 def _copy_run(src, dst) -> str:
@@ -162,6 +176,7 @@ import os, signal, sys
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from cp_rope.launch import checkpoint as ckpt
+from cp_rope.launch import checkpoint_space as space
 from cp_rope.launch.pretrain import main
 
 moment, target = sys.argv[1], "step_00000003.partial"
@@ -244,9 +259,10 @@ def test_load_refuses_a_damaged_checkpoint_and_changes_nothing(group, tmp_path):
     assert all(torch.equal(a, s["exp_avg"]) for a, s in zip(opt_before, other_opt.state.values(), strict=True))
 
 
-def test_failed_save_leaves_no_step_dir_that_looks_complete(group, tmp_path, monkeypatch):
-    """A save that fails after writing some files (a full disk) raises and leaves only a
-    step_N.partial, which resume never considers and the next save deletes."""
+def test_failed_save_keeps_the_last_good_one_and_says_why(group, tmp_path, monkeypatch):
+    """A save that fails after writing some files (a full disk) raises ONE CheckpointError naming
+    the cause and the last good checkpoint, which stays; the half-written .partial is removed;
+    the next save works and prunes as usual."""
     model, opt, sched = _state(0)
     save_checkpoint(str(tmp_path), 2, model, opt, sched, {})
 
@@ -257,13 +273,57 @@ def test_failed_save_leaves_no_step_dir_that_looks_complete(group, tmp_path, mon
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(ckpt, "dcp", types.SimpleNamespace(save=failing_save, load=ckpt.dcp.load))
-    with pytest.raises(OSError, match="No space left"):
+    last = re.escape(str(tmp_path / "step_00000002"))
+    with pytest.raises(CheckpointError, match=rf"saving checkpoint step_00000004 failed: OSError: "
+                                              rf"\[Errno 28\] No space left on device \(.*GiB free.*"
+                                              rf"the last good checkpoint, {last}, is kept"):
         save_checkpoint(str(tmp_path), 4, model, opt, sched, {})
-    assert sorted(os.listdir(tmp_path)) == ["step_00000002", "step_00000004.partial"]
+    assert sorted(os.listdir(tmp_path)) == ["step_00000002"]
     assert resume_checkpoint(str(tmp_path)) == (str(tmp_path / "step_00000002"), [])
     monkeypatch.undo()
     save_checkpoint(str(tmp_path), 3, model, opt, sched, {}, keep=1)
-    assert sorted(os.listdir(tmp_path)) == ["step_00000003"]  # leftover and the older one gone
+    assert sorted(os.listdir(tmp_path)) == ["step_00000003"]  # the older one pruned
+
+
+def test_failed_dcp_write_is_one_line_not_a_traceback(group, tmp_path, monkeypatch):
+    """DCP's own failure (a CheckpointException, a BaseException whose text is every rank's
+    traceback) becomes one line: the failing rank and its exception."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    model, opt, sched = _state(0)
+    real = ckpt.dcp.save
+
+    def failing_write(state, checkpoint_id):
+        try:
+            raise OSError(30, "Read-only file system", os.path.join(checkpoint_id, "__0_0.distcp"))
+        except OSError as exc:
+            raise CheckpointException("save failed", {0: (exc, None)}) from None
+
+    monkeypatch.setattr(ckpt, "dcp", types.SimpleNamespace(save=failing_write, load=ckpt.dcp.load))
+    with pytest.raises(CheckpointError) as info:
+        save_checkpoint(str(tmp_path), 1, model, opt, sched, {})
+    msg = str(info.value)
+    assert "\n" not in msg and "Traceback" not in msg, msg
+    assert "rank 0: OSError: [Errno 30] Read-only file system" in msg, msg
+    assert "there is no earlier checkpoint" in msg and os.listdir(tmp_path) == [], msg
+    monkeypatch.setattr(ckpt, "dcp", types.SimpleNamespace(save=real, load=ckpt.dcp.load))
+
+
+def test_file_size_limit_during_a_save(group, tmp_path):
+    """A real write failure: ulimit -f below the shard's size (Python ignores SIGXFSZ, so the
+    write fails with EFBIG inside DCP); one CheckpointError naming the limit, nothing left."""
+    import resource
+
+    model, opt, sched = _state(0)
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+    try:
+        with pytest.raises(CheckpointError, match=r"saving checkpoint step_00000001 failed: .*"
+                                                  r"file-size limit \(ulimit -f\) 4096 bytes"):
+            save_checkpoint(str(tmp_path), 1, model, opt, sched, {})
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+    assert os.listdir(tmp_path) == []
 
 
 def test_keep_prunes_only_older_steps(group, tmp_path):
@@ -287,14 +347,78 @@ def test_checkpoint_size_estimate_and_full_disk(group, tmp_path, monkeypatch):
     """The estimate covers what a save writes (model + AdamW state), within 2x, and a file
     system with less free space fails before training, naming --out-dir."""
     model, opt, sched = _state(0)
-    need = ckpt.check_checkpoint_space(str(tmp_path / "ck"), model, opt)
+    need = space.check_checkpoint_space(str(tmp_path / "ck"), model, opt)
     path = save_checkpoint(str(tmp_path / "ck"), 1, model, opt, sched, {})
     written = sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path))
     assert written <= need <= 2 * written + 2**20, (written, need)
     assert os.listdir(tmp_path / "ck") == ["step_00000001"]  # the probe is gone
-    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=need - 1))
-    with pytest.raises(ValueError, match=r"--out-dir .*ck.*: a checkpoint needs about .* GiB .* free"):
-        ckpt.check_checkpoint_space(str(tmp_path / "ck"), model, opt)
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=need - 1))
+    with pytest.raises(ValueError, match=r"--out-dir .*ck.*: a checkpoint needs about .* MiB .* free"):
+        space.check_checkpoint_space(str(tmp_path / "ck2"), model, opt)
+
+
+@pytest.mark.parametrize(("keep", "saves", "existing", "copies"), [
+    (2, 10, 0, 3), (2, 10, 2, 1), (2, 10, 5, 1), (2, 1, 0, 1), (1, 5, 0, 2),
+    (0, 4, 0, 4), (0, 4, 3, 4), (5, 2, 1, 2)])
+def test_copies_needed(keep, saves, existing, copies):
+    """keep + 1 at once (the next save lands before pruning), never more than the run's saves;
+    keep 0 keeps every save; checkpoints already on disk already hold their space."""
+    assert space.copies_needed(keep, saves, existing) == copies
+
+
+def test_space_for_keep_plus_one(group, tmp_path, monkeypatch):
+    """Room for one checkpoint but not the --keep-checkpoints 2 the run needs (3 at once):
+    refused at start-up, naming the copies and --keep-checkpoints (issue 22 item 8)."""
+    model, opt, _ = _state(0)
+    one = space.estimate_checkpoint_bytes(model, opt)
+    monkeypatch.setattr(space.shutil, "disk_usage", lambda p: types.SimpleNamespace(free=2 * one))
+    assert space.check_checkpoint_space(str(tmp_path), model, opt, keep=1, saves=5) == 2 * one
+    with pytest.raises(ValueError, match=r"--out-dir .*: .*\(3 checkpoints at once: "
+                                         r"--keep-checkpoints 2 and the next one"):
+        space.check_checkpoint_space(str(tmp_path), model, opt, keep=2, saves=5)
+
+
+def test_load_refuses_another_run_before_reading(group, tmp_path, monkeypatch):
+    """A checkpoint that verifies but was written by another run (model shape, seed, cp_size or
+    world size): CheckpointError naming both values, before DCP reads anything (issue 22 item 7)."""
+    model, opt, sched = _state(0)
+    written = {"model.dim": 128, "train.seed": 0, "parallel.cp_size": 2, "world_size": 1}
+    path = save_checkpoint(str(tmp_path), 1, model, opt, sched, {}, run=written)
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    assert manifest["run"] == written and manifest["torch"] == torch.__version__
+    monkeypatch.setattr(ckpt, "dcp", types.SimpleNamespace(save=None, load=None))  # must not be used
+    for key, value in (("model.dim", 256), ("train.seed", 1), ("parallel.cp_size", 1)):
+        with pytest.raises(CheckpointError, match=rf"written by another run \({re.escape(key)}: "
+                                                  rf"{written[key]} \(checkpoint\) != {value} "
+                                                  rf"\(this run\).*nothing was loaded"):
+            load_checkpoint(path, model, opt, sched, {}, run=written | {key: value})
+    manifest["world_size"] = manifest["run"]["world_size"] = 2
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CheckpointError, match=r"world_size: 2 \(checkpoint\) != 1 \(this run\)"):
+        load_checkpoint(path, model, opt, sched, {}, verify=False)
+
+
+def test_load_failure_names_both_torch_versions(group, tmp_path, monkeypatch):
+    """DCP cannot read a checkpoint (here: a load that fails): the error names the torch that
+    wrote it (from the manifest) and this one."""
+    model, opt, sched = _state(0)
+    path = save_checkpoint(str(tmp_path), 1, model, opt, sched, {})
+    with open(os.path.join(path, MANIFEST)) as f:
+        manifest = json.load(f)
+    manifest["torch"] = "2.99.0"
+    with open(os.path.join(path, MANIFEST), "w") as f:
+        json.dump(manifest, f)
+
+    def failing_load(state, checkpoint_id):
+        raise RuntimeError("Unexpected key")
+
+    monkeypatch.setattr(ckpt, "dcp", types.SimpleNamespace(save=None, load=failing_load))
+    with pytest.raises(CheckpointError, match=rf"loading failed \(RuntimeError: Unexpected key\); "
+                                              rf"it was written by torch 2\.99\.0, this is torch "
+                                              rf"{re.escape(torch.__version__)}"):
+        load_checkpoint(path, model, opt, sched, {}, verify=False)
 
 
 def _two_rank_body(rank: int, world: int, root: str) -> None:
@@ -305,7 +429,7 @@ def _two_rank_body(rank: int, world: int, root: str) -> None:
     with open(os.path.join(newest, MANIFEST)) as f:
         names = sorted(json.load(f)["files"])
     assert len(names) >= 3 and all(os.path.isfile(os.path.join(newest, n)) for n in names), names
-    victim = names[1::world][0]  # a file rank 1 hashes, not rank 0
+    victim = [n for n in names if n != ".metadata"][1::world][0]  # a file rank 1 hashes, not rank 0
     dist.barrier()
     if rank == 0:
         _flip(os.path.join(newest, victim))
@@ -317,9 +441,27 @@ def _two_rank_body(rank: int, world: int, root: str) -> None:
         load_checkpoint(newest, model, opt, sched, {"rank": -1})
     step, sampler = load_checkpoint(path, model, opt, sched, {"rank": -1})
     assert (step, sampler) == (1, {"rank": rank})
+    # a save failing on rank 1 alone (its hashing: an I/O error): the same one error on both
+    real = ckpt._sha256
+
+    def broken(p):
+        raise OSError(5, "Input/output error", p)
+
+    ckpt._sha256 = broken if rank == 1 else real
+    try:
+        with pytest.raises(CheckpointError, match=r"saving checkpoint step_00000003 failed: hashing "
+                                                  r"on rank 1: OSError: \[Errno 5\] Input/output "
+                                                  r"error.*the last good checkpoint, .*step_00000002, "
+                                                  r"is kept"):
+            save_checkpoint(root, 3, model, opt, sched, {"rank": rank})
+    finally:
+        ckpt._sha256 = real
+    dist.barrier()
+    assert sorted(os.listdir(root)) == ["step_00000001", "step_00000002"]
 
 
 def test_two_ranks_share_the_hashing_and_the_verdict(tmp_path):
     """World 2: each rank hashes its share of the files; damage seen by rank 1 alone makes both
-    ranks skip the checkpoint (and load_checkpoint raise on both), no hang."""
+    ranks skip the checkpoint (and load_checkpoint raise on both), no hang; a save failing on
+    rank 1 alone raises the same CheckpointError on both ranks and keeps the last good one."""
     run_distributed(_two_rank_body, 2, str(tmp_path), timeout_s=60)
