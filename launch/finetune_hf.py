@@ -153,7 +153,8 @@ class HFCausalLM(nn.Module):
     :func:`cp_rope.parallel.cp_cross_entropy`). ``logits_to_keep`` as transformers'
     (an int k > 0: the last k rows; a 1-D index tensor: those rows; 0: all) selects
     the rows of the logits, and of the loss with their labels. ``position_ids``:
-    the batch's global positions ``[T]``; ``None`` computes them with
+    the batch's global positions ``[T]`` (``placement``: a per-document shard's
+    ``batch.placement``, handed to the patch as ``cp_rope_placement``); ``None`` computes them with
     :func:`cp_rope.global_positions` (reads ``cu_seqlens[-1]`` on the host).
     :meth:`configure_attention` (what :func:`~cp_rope.launch.parallelize.apply_cp`
     calls) is :func:`cp_rope.hf.patch_model` (with ``mlp_tile_tokens``: the
@@ -188,14 +189,16 @@ class HFCausalLM(nn.Module):
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                position_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, placement=None,
+                labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None,
                 logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
         if position_ids is None:
             position_ids = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
         out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None],
                                  cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                                 max_length_q=int(max_seqlen), max_length_k=int(max_seqlen))
+                                 max_length_q=int(max_seqlen), max_length_k=int(max_seqlen),
+                                 **({} if placement is None else {"cp_rope_placement": placement}))
         hidden = out.last_hidden_state[0]
         if not isinstance(logits_to_keep, int) or logits_to_keep:  # transformers' semantics
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
@@ -236,8 +239,8 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
     its tokenizer.json as the default tokenizer.
 
     Raises: ConfigError naming the field (no ``--model``, not a local directory with a
-    supported config, a tokenizer with more ids than the model's vocabulary, a
-    per-document placement, a rope backend other than auto).
+    supported config, a tokenizer with more ids than the model's vocabulary,
+    a rope backend other than auto).
     """
     if not fc.hf.model:
         raise ConfigError("hf.model='': required: --model DIR (a local checkpoint or config "
@@ -255,9 +258,6 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
     if fc.parallel.rope_backend != "auto":
         raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
                           "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
-    if fc.parallel.cp_placement != "zigzag":
-        raise ConfigError(f"parallel.cp_placement={fc.parallel.cp_placement!r}: cp_rope.hf runs "
-                          "the zigzag layout only")
     n_ids = load_tokenizer(data).vocab_size
     if n_ids > hf_config.vocab_size:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r}: {n_ids} ids (byte-level when "

@@ -21,12 +21,10 @@ from torch.utils.checkpoint import checkpoint
 
 from cp_rope import RotaryEmbedding, apply_rotary_emb_qk
 from cp_rope.parallel import (
-    CPAttentionPlan,
-    PerDocumentPlan,
+    attention_plan,
     context_parallel_attention,
     cp_cross_entropy,
     cp_linear_cross_entropy,
-    per_document_attention,
 )
 from cp_rope.parallel.tiled_mlp import tiled_mlp
 
@@ -52,29 +50,12 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.n_heads, self.head_dim)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
-        if ctx.placement is not None:  # a per-document shard: RoPE from its positions
-            cos, sin = rope.tables(q.device)
-            q, k = apply_rotary_emb_qk(q, k, cos, sin, ctx.cu_seqlens, position_ids=ctx.position_ids,
-                                       max_position_id=ctx.max_position_id,
-                                       interleaved=rope.interleaved, backend=ctx.rope_backend)
-            if ctx.plan is None:  # once per forward, as below
-                ctx.plan = PerDocumentPlan.build(
-                    ctx.placement, q_heads=q.shape[1], kv_heads=k.shape[1], head_dim=q.shape[2],
-                    dtype=q.dtype, device=q.device, n_tokens=t, group=ctx.cp_group,
-                    method=ctx.cp_method, ulysses_size=ctx.ulysses_size)
-            o = per_document_attention(q, k, v, plan=ctx.plan, method=ctx.cp_method,
-                                       backend=ctx.attn_backend, ulysses_size=ctx.ulysses_size)
-            return self.wo(o.reshape(t, self.n_heads * self.head_dim))
-        q, k = rope(q, k, ctx.cu_seqlens, max_seqlen=ctx.max_seqlen,
-                    cp_size=ctx.cp_size, cp_rank=ctx.cp_rank, backend=ctx.rope_backend)
-        if ctx.plan is None:  # once per forward (batch); every layer and recompute reuse it
-            ctx.plan = CPAttentionPlan.build(
-                ctx.cu_seqlens, ctx.max_seqlen, q_heads=q.shape[1], kv_heads=k.shape[1],
-                head_dim=q.shape[2], dtype=q.dtype, device=q.device, n_tokens=t,
-                group=ctx.cp_group, method=ctx.cp_method, ulysses_size=ctx.ulysses_size)
-        o = context_parallel_attention(q, k, v, ctx.cu_seqlens, ctx.max_seqlen, group=ctx.cp_group,
-                                       causal=True, method=ctx.cp_method, backend=ctx.attn_backend,
-                                       ulysses_size=ctx.ulysses_size, plan=ctx.plan)
+        # the batch's plan (built once per forward, before the layers): RoPE's positions and
+        # the attention's schedule for its layout (zigzag or per-document) -- one path
+        cos, sin = rope.tables(q.device)
+        q, k = apply_rotary_emb_qk(q, k, cos, sin, **ctx.plan.rope_args(),
+                                   interleaved=rope.interleaved, backend=ctx.rope_backend)
+        o = context_parallel_attention(q, k, v, plan=ctx.plan)
         return self.wo(o.reshape(t, self.n_heads * self.head_dim))
 
 
@@ -132,15 +113,13 @@ class TransformerBlock(nn.Module):
 
 
 class _Ctx:
-    """Per-forward batch layout and CP settings passed to every block."""
+    """Per-forward state passed to every block: the batch's attention plan (built once per
+    forward; the activation-checkpoint recompute gets the same object) and the RoPE backend."""
 
-    __slots__ = ("cu_seqlens", "max_seqlen", "cp_group", "cp_size", "cp_rank", "cp_method",
-                 "attn_backend", "rope_backend", "ulysses_size", "plan", "placement",
-                 "position_ids", "max_position_id")
+    __slots__ = ("plan", "rope_backend")
 
-    def __init__(self, **kw):
-        for k, v in kw.items():
-            setattr(self, k, v)
+    def __init__(self, plan, rope_backend: str):
+        self.plan, self.rope_backend = plan, rope_backend
 
 
 class Transformer(nn.Module):
@@ -153,15 +132,19 @@ class Transformer(nn.Module):
             :func:`cp_rope.launch.parallelize.parallelize` calls with the mesh's
             ``"cp"`` group); the defaults hold whole sequences in this process.
 
-    ``forward(input_ids, cu_seqlens, max_seqlen, *, placement=None, position_ids=None)``:
-        input_ids: int64 ``[T]`` (this rank's zigzag shard under CP);
-        cu_seqlens: int32 ``[B + 1]``, the rank's local cu_seqlens;
-        max_seqlen: host int, longest local sequence;
-        placement, position_ids: of a per-document shard (``batch.placement``,
-            ``batch.position_ids``; :mod:`cp_rope.parallel.placement`), both or
-            neither: RoPE takes the positions and attention runs through a
-            :class:`~cp_rope.parallel.PerDocumentPlan` (whole documents locally,
-            split ones over the CP group);
+    ``forward(input_ids, cu_seqlens=None, max_seqlen=None, *, plan=None, placement=None,
+    position_ids=None, labels=None, loss_group=None)``:
+        input_ids: int64 ``[T]`` (this rank's shard under CP);
+        cu_seqlens: int32 ``[B + 1]``, the rank's local cu_seqlens (None with ``plan``);
+        max_seqlen: host int, longest local sequence (None with ``plan``);
+        plan: the batch's attention plan (:meth:`attention_plan`); without it the forward
+            builds one (once, before the layers: one host read of ``cu_seqlens`` and, at
+            cp > 1, the ranks' agreement); every layer and the activation-checkpoint
+            recompute use it: RoPE from ``plan.rope_args()``, attention by its kind;
+        placement: of a per-document shard (``batch.placement``;
+            :mod:`cp_rope.parallel.placement`), when no plan is given;
+        position_ids: accepted for compatibility (``batch.position_ids``); the plan's
+            positions, which equal them, are used;
         labels, loss_group: with ``labels`` (``[T]``, the shard's) the forward
             returns the loss instead of the logits (:meth:`head`: fused with the
             output projection by default, so ``[T, vocab_size]`` never exists);
@@ -220,19 +203,33 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                placement=None, position_ids: torch.Tensor | None = None,
+    def attention_plan(self, source, max_seqlen: int | None = None, *, dtype: torch.dtype,
+                       device=None, n_tokens: int | None = None):
+        """The attention plan of one batch for this model (collective over the CP group):
+        :func:`cp_rope.parallel.attention_plan` with the model's heads, CP group, method,
+        backend and ``ulysses_size``. ``source``: a PackedBatch shard, a DocumentPlacement or
+        local zigzag cu_seqlens (with ``max_seqlen``); ``dtype``: the compute dtype."""
+        cfg = self.cfg
+        return attention_plan(source, max_seqlen, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
+                              head_dim=cfg.dim // cfg.n_heads, dtype=dtype, device=device,
+                              group=self.cp_group, method=self.cp_method,
+                              ulysses_size=self.ulysses_size, backend=self.attn_backend,
+                              n_tokens=n_tokens)
+
+    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None, *, plan=None, placement=None,
+                position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-        if (placement is None) != (position_ids is None):
-            raise ValueError("placement and position_ids: a per-document shard passes both "
-                             "(batch.placement, batch.position_ids), a zigzag shard neither")
-        ctx = _Ctx(cu_seqlens=cu_seqlens, max_seqlen=int(max_seqlen), cp_group=self.cp_group,
-                   cp_size=self.cp_size, cp_rank=self.cp_rank, cp_method=self.cp_method,
-                   attn_backend=self.attn_backend, rope_backend=self.rope_backend,
-                   ulysses_size=self.ulysses_size, plan=None, placement=placement,
-                   position_ids=position_ids, max_position_id=None if placement is None
-                   else placement.max_position_id(self.cp_rank))
+        h = self.tok_embeddings(input_ids)
+        if plan is None:  # once per forward (the step's batch), before the layers
+            plan = self.attention_plan(cu_seqlens if placement is None else placement,
+                                       None if placement is not None else max_seqlen,
+                                       dtype=h.dtype, device=h.device, n_tokens=h.shape[0])
+        elif cu_seqlens is not None or placement is not None:
+            raise ValueError("plan: pass the batch's plan alone (its cu_seqlens and placement "
+                             "are the plan's), or cu_seqlens / placement without a plan")
+        ctx = _Ctx(plan, self.rope_backend)
         h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)

@@ -92,7 +92,8 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
     """
     # the loss inside the model's forward (its head: fused with the output projection unless
     # --no-fused-loss), where FSDP2 holds the output weight unsharded
-    loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **batch.placement_kwargs(),
+    loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, placement=batch.placement,
+                 position_ids=batch.position_ids,
                  labels=batch.labels, loss_group=loss_group)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:

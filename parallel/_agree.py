@@ -29,13 +29,22 @@ def agree_across_ranks(group: dist.ProcessGroup | None, error: Exception | None,
         describe: maps the list of every rank's signature to the text shown on a mismatch.
         exc: the exception type raised on the ranks whose own input passed.
 
-    Raises: ``error`` itself on the rank that failed; ``exc`` naming every failing rank, its
+    Raises: RuntimeError naming the likely causes when the all-gather itself fails (a
+    peer that never joins it: after the group's timeout); ``error`` itself on the rank
+    that failed; ``exc`` naming every failing rank, its
     exception type and message on the others; ``exc`` with ``describe(sigs)`` when the
     signatures differ.
     """
     mine = None if error is None else f"{type(error).__name__}: {error}"
     views: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(views, (mine, sig), group=group)
+    try:
+        dist.all_gather_object(views, (mine, sig), group=group)
+    except RuntimeError as exc:  # a peer that never joins: the group's timeout, then this
+        raise RuntimeError(
+            f"{what}: the ranks' agreement (all_gather_object over the group) failed: {exc}. "
+            "Likely causes: a peer did not join it -- plan= passed on some ranks only (a rank "
+            "given a plan builds none and goes straight to its exchange), or a peer failed, "
+            "left, is stopped or runs another step") from exc
     if error is not None:
         raise error
     failed = [(r, e) for r, (e, _) in enumerate(views) if e is not None]

@@ -61,6 +61,7 @@ def attention_plan(
     backend: Backend = "auto",
     n_tokens: int | None = None,
     seq_lens: torch.Tensor | None = None,
+    _check=None,
 ) -> CPAttentionPlan | PerDocumentPlan:
     """The attention plan of one batch, for every layer of a step (collective over ``group``).
 
@@ -101,6 +102,8 @@ def attention_plan(
     rank = dist.get_rank(group) if size > 1 else 0
     error, kw = None, {}
     try:
+        if _check is not None:  # the caller's rank-local checks (cp_rope.hf) join the agreement
+            _check()
         kw = _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens,
                              device, placement, split_threshold)
         laid = kw.pop("laid")

@@ -51,8 +51,9 @@ class PackedBatch:
             ranks then hold different local ``cu_seqlens`` (split shares
             first, then whole documents), ``position_ids`` are the positions
             in the global sequences, and every rank has ``placement.n_rows``
-            rows, ``cu_seqlens[-1] <= T`` (trailing padding). Pass it to
-            ``context_parallel_attention(..., placement=)`` and ``unshard``.
+            rows, ``cu_seqlens[-1] <= T`` (trailing padding). The batch's
+            attention plan (``cp_rope.parallel.attention_plan(batch, ...)``) and
+            ``unshard(..., placement=)`` read it.
     """
 
     input_ids: torch.Tensor
@@ -103,10 +104,3 @@ class PackedBatch:
     def pin_memory(self) -> PackedBatch:
         """A copy in page-locked host memory (what ``DataLoader(pin_memory=True)`` calls)."""
         return self._map(lambda t: t.pin_memory())
-
-    def placement_kwargs(self) -> dict:
-        """``{}``, or for a per-document shard ``{"placement": ..., "position_ids": ...}``: the
-        keywords ``cp_rope.launch.model.Transformer.forward`` takes for such a shard."""
-        if self.placement is None:
-            return {}
-        return {"placement": self.placement, "position_ids": self.position_ids}

@@ -193,10 +193,16 @@ class PerDocumentPlan(FrozenPlan):
                 "max_position_id": self.placement.max_position_id(self.cp_rank)})
         return dict(self._rope)
 
-    def check_call(self, q, cu_seqlens, max_seqlen, placement, group, causal, method, seq_lens,
-                   ulysses_size, softmax_scale, backend) -> None:
+    def check_call(self, q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
+                   seq_lens, ulysses_size, softmax_scale, backend) -> None:
         """Raise ValueError naming ``plan`` if a call's arguments are not this plan's batch
         (host checks, no sync; None: the plan's)."""
+        want, dtype, device = self.whole.shape, self.whole.dtype, self.whole.device
+        if (q.shape[1], k.shape[1], q.shape[2]) != want or q.dtype != dtype \
+                or q.device != device:
+            raise ValueError(f"plan: built for q [T, Hq={want[0]}, D={want[2]}], k/v "
+                             f"Hkv={want[1]}, {dtype} on {device}; got q {tuple(q.shape)}, k "
+                             f"{tuple(k.shape)}, {q.dtype} on {q.device}")
         if placement is not None and placement is not self.placement:
             raise ValueError("plan: built for another placement (build a plan per batch)")
         if seq_lens is not None:
@@ -340,8 +346,8 @@ def per_document_attention(
         check_tensors(q, k, v)
         check_bool("return_lse", return_lse)
         softmax_scale = check_softmax_scale(softmax_scale)
-        plan.check_call(q, cu_seqlens, max_seqlen, placement, group, causal, method, seq_lens,
-                        ulysses_size, softmax_scale, backend)
+        plan.check_call(q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
+                        seq_lens, ulysses_size, softmax_scale, backend)
     scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
     backend = backend or plan.backend or "auto"
     ns, n_whole = plan.split_rows, plan.n_tokens - plan.split_rows

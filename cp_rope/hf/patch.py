@@ -4,7 +4,6 @@ dispatcher and model_inputs (see :mod:`cp_rope.hf`)."""
 from __future__ import annotations
 
 import math
-import typing
 from dataclasses import dataclass, field
 
 import torch
@@ -14,8 +13,8 @@ from torch import nn
 from cp_rope.cache import inv_freq as _cp_inv_freq
 from cp_rope.cache import rope_cache
 from cp_rope.ops import apply_rotary_emb_qk
-from cp_rope.parallel import PackedBatch, context_parallel_attention
-from cp_rope.parallel import attention as _attention
+from cp_rope.parallel import PackedBatch, attention_plan, context_parallel_attention
+from cp_rope.parallel.choices import BACKEND_CHOICES, METHODS
 from cp_rope.positions import global_positions
 from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
@@ -45,7 +44,9 @@ class CPRopePatch:
     scaling: dict | None = None  # the config's rope dict (rope_kernel)
     rotary_dim: int = 0
     _tables: dict = field(default_factory=dict)  # device -> (cos, sin), float32
-    _current: tuple | None = None  # (cu_seqlens, max_seqlen) of the forward in flight
+    _current: object | None = None  # the attention plan of the forward in flight
+    shape: tuple = (0, 0, 0)  # (q heads, kv heads, head_dim) of the attention layers
+    scale: float = 1.0  # their softmax scale (the layers' ``scaling``)
     _handles: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
     _attn_before: str | None = None
@@ -67,26 +68,24 @@ class PackedRope:
     """Stands in for ``(cos, sin)`` inside a patched model: the family's swapped
     ``apply_rotary_pos_emb`` applies cp_rope's kernel with it.
 
-    Fields: float32 tables ``[P, rotary_dim // 2]``, the local int32
-    ``cu_seqlens [B + 1]``, ``max_seqlen`` (local, host int), ``cp_size``, ``cp_rank``.
+    Fields: float32 tables ``[P, rotary_dim // 2]`` and ``rope_args``, the batch's plan's
+    :meth:`~cp_rope.parallel.CPAttentionPlan.rope_args` (local ``cu_seqlens``, per-token
+    global ``position_ids``, ``max_position_id``: built once per batch).
     Deliberately not a dataclass: FSDP2's mixed precision casts the floating
     tensors inside dataclass arguments to bf16, and the tables must stay float32.
     """
 
-    __slots__ = ("cos", "sin", "cu_seqlens", "max_seqlen", "cp_size", "cp_rank")
+    __slots__ = ("cos", "sin", "rope_args")
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, cu_seqlens: torch.Tensor,
-                 max_seqlen: int, cp_size: int, cp_rank: int) -> None:
-        self.cos, self.sin, self.cu_seqlens = cos, sin, cu_seqlens
-        self.max_seqlen, self.cp_size, self.cp_rank = max_seqlen, cp_size, cp_rank
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rope_args: dict) -> None:
+        self.cos, self.sin, self.rope_args = cos, sin, rope_args
 
     def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]`` (transformers' layout) -> the same, rotated."""
         if q.dim() != 4 or q.shape[0] != 1:
             raise ValueError(f"q: a patched model runs packed rows [1, H, T, D]; got {tuple(q.shape)}")
         out_q, out_k = apply_rotary_emb_qk(
-            q[0].transpose(0, 1), k[0].transpose(0, 1), self.cos, self.sin, self.cu_seqlens,
-            max_seqlen=self.max_seqlen, cp_size=self.cp_size, cp_rank=self.cp_rank)
+            q[0].transpose(0, 1), k[0].transpose(0, 1), self.cos, self.sin, **self.rope_args)
         return out_q.transpose(0, 1).unsqueeze(0), out_k.transpose(0, 1).unsqueeze(0)
 
 
@@ -119,7 +118,9 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     Args (transformers' interface): query ``[1, Hq, T, D]``, key/value
     ``[1, Hkv, T, D]`` (this rank's packed rows), ``cu_seq_lens_q`` (local
     int32 ``[B + 1]``) and ``max_length_q`` in ``kwargs`` (from
-    :func:`model_inputs`), ``scaling`` the softmax scale.
+    :func:`model_inputs`), ``scaling`` the softmax scale; ``cp_rope_plan``, the
+    batch's attention plan, which the patched decoder builds once per forward and
+    hands to every layer through ``kwargs`` (so no layer plans or agrees).
 
     Returns: ``([1, T, Hq, D], None)``.
 
@@ -149,10 +150,13 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                          f"{int(max_len) * patch.cp_size} tokens needs sliding-window attention, "
                          "which cp_rope does not implement (set config.sliding_window = None to "
                          "attend to the whole document, or cut documents to the window)")
+    plan = kwargs.get("cp_rope_plan")
+    if plan is None:
+        raise ValueError("cp_rope_plan missing: the patched decoder builds it once per forward; "
+                         "call the model (or its base model), not its layers alone")
     out = context_parallel_attention(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu,
-        max_len, group=patch.group, causal=True, softmax_scale=scaling, method=patch.method,
-        backend=patch.backend, ulysses_size=patch.ulysses_size)
+        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), plan=plan,
+        softmax_scale=scaling)
     return out.unsqueeze(0), None
 
 
@@ -250,8 +254,14 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     rope_kernel = check_bool("rope_kernel", rope_kernel)
     if mlp_tile_tokens is not None:
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
-    method = check_choice("method", method, typing.get_args(_attention.Method))
-    backend = check_choice("backend", backend, typing.get_args(_attention.BackendName))
+    method = check_choice("method", method, METHODS)
+    backend = check_choice("backend", backend, BACKEND_CHOICES)
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__} {group!r} (e.g. dist.group.WORLD)")
+    if group is not None and not dist.is_initialized():
+        raise ValueError("group: torch.distributed is not initialized; call "
+                         "torch.distributed.init_process_group first (or pass group=None)")
     old = getattr(model, "cp_rope_patch", None)
     if old is not None:
         if old.group is not group:
@@ -276,6 +286,11 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         raise ValueError(f"model: expected one {rotary_name} and some {attn_name} modules, "
                          f"found {len(rotaries)} and {len(attns)}")
     decoder = next(m for m in model.modules() if getattr(m, "rotary_emb", None) is rotaries[0])
+    cfg = model.config
+    head_dim = int(getattr(attns[0], "head_dim", cfg.hidden_size // cfg.num_attention_heads))
+    patch.shape = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+                   or cfg.num_attention_heads, head_dim)
+    patch.scale = float(getattr(attns[0], "scaling", head_dim ** -0.5))
     rope = getattr(model.config, "rope_parameters", None) or {}
     if not rope_kernel and rope.get("rope_type") in ("dynamic", "longrope"):
         patch.scaling = dict(rope)
@@ -286,13 +301,14 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         _install_rope_dispatcher(module)
         patch._handles.append(rotaries[0].register_forward_hook(
             lambda mod, args, out: _packed_rope(patch, args, out)))
+    embed = model.get_input_embeddings()
     for m in attns:
         m.cp_rope_patch = patch
     patch._modules = attns
     if mlp_tile_tokens is not None:
         patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
     patch._handles.append(decoder.register_forward_pre_hook(
-        lambda mod, args, kwargs: _before_forward(patch, args, kwargs), with_kwargs=True))
+        lambda mod, args, kwargs: _before_forward(patch, embed, args, kwargs), with_kwargs=True))
     patch._handles.append(decoder.register_forward_hook(
         lambda *_: setattr(patch, "_current", None), always_call=True))
     if decoder is not model:
@@ -326,10 +342,14 @@ def _refuse_labels(module, args, kwargs):
                          f"per rank; call the model without labels and {_USE_LOSS}")
 
 
-def _before_forward(patch: CPRopePatch, args, kwargs):
+def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
+    """The decoder's pre-forward hook: checks the packed inputs and builds the batch's
+    attention plan once (collective over the patch's group; rank-local errors join its
+    agreement), handed to every layer as ``kwargs["cp_rope_plan"]``."""
     _refuse_labels(None, args, kwargs)
     cu, max_len = kwargs.get("cu_seq_lens_q"), kwargs.get("max_length_q")
     pos = kwargs.get("position_ids")
+    placement = kwargs.pop("cp_rope_placement", None)
     if cu is None or max_len is None or pos is None:
         raise ValueError("cu_seq_lens_q / max_length_q / position_ids missing: a patched model "
                          "runs packed rows: call model(**cp_rope.hf.model_inputs(batch))")
@@ -340,24 +360,67 @@ def _before_forward(patch: CPRopePatch, args, kwargs):
         raise ValueError("use_cache=True: a patched model trains on packed CP rows and keeps "
                          "no KV cache")
     kwargs["use_cache"] = False
-    limit = patch._static_rope_len
-    if limit is not None and int(max_len) * patch.cp_size > limit:
-        raise ValueError(
-            f"max_length_q={int(max_len)}: a global sequence of up to {int(max_len) * patch.cp_size}"
-            f" tokens is past {limit}, where the model's length-dependent RoPE "
-            f"({patch.scaling['rope_type']}) would pick its frequencies from this rank's largest "
-            "position (different on every rank, and across documents): not the per-document "
-            "result; use a static rope type (e.g. 'ntk', 'yarn') or shorter documents")
-    if content_checks_enabled(pos) and content_checks_enabled(cu):
-        _check_positions(patch, pos, cu)
-    patch._current = (cu, int(max_len))
+
+    def check():  # rank-local: inside the plan build's agreement, so every rank raises
+        _check_keys(kwargs, cu, max_len)
+        limit = patch._static_rope_len
+        if limit is not None and int(max_len) * patch.cp_size > limit:
+            raise ValueError(
+                f"max_length_q={int(max_len)}: a global sequence of up to "
+                f"{int(max_len) * patch.cp_size} tokens is past {limit}, where the model's "
+                f"length-dependent RoPE ({patch.scaling['rope_type']}) would pick its "
+                "frequencies from this rank's largest position (different on every rank, and "
+                "across documents): not the per-document result; use a static rope type "
+                "(e.g. 'ntk', 'yarn') or shorter documents")
+        if content_checks_enabled(pos) and content_checks_enabled(cu):
+            _check_positions(patch, pos, cu, placement)
+
+    ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
+    weight = embed.weight  # the compute dtype (FSDP2 has cast the unsharded copy by now)
+    dtype = embeds.dtype if embeds is not None else weight.dtype
+    n_rows = (embeds if embeds is not None else ids).shape[1] if (
+        embeds is not None or ids is not None) else None
+    hq, hkv, d = patch.shape
+    plan = attention_plan(cu if placement is None else placement,
+                          None if placement is not None else int(max_len), q_heads=hq,
+                          kv_heads=hkv, head_dim=d, dtype=dtype, device=pos.device,
+                          group=patch.group, method=patch.method, backend=patch.backend,
+                          ulysses_size=patch.ulysses_size, softmax_scale=patch.scale,
+                          n_tokens=n_rows, _check=check)
+    kwargs["cp_rope_plan"] = plan
+    patch._current = plan
     return args, kwargs
 
 
-def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor) -> None:
+def _check_keys(kwargs, cu, max_len) -> None:
+    """cu_seq_lens_k / max_length_k, when given, must describe the same rows as the q ones
+    (self-attention over packed rows; a different one would be ignored)."""
+    cu_k, max_k = kwargs.get("cu_seq_lens_k"), kwargs.get("max_length_k")
+    if cu_k is not None and cu_k is not cu and (
+            not isinstance(cu_k, torch.Tensor) or cu_k.shape != cu.shape
+            or (content_checks_enabled(cu_k) and content_checks_enabled(cu)
+                and not torch.equal(cu_k.to(cu.device), cu))):
+        raise ValueError("cu_seq_lens_k: packed self-attention needs cu_seq_lens_k equal to "
+                         "cu_seq_lens_q (model_inputs passes the same tensor); got another")
+    if max_k is not None and int(max_k) != int(max_len):
+        raise ValueError(f"max_length_k={int(max_k)}: must equal max_length_q={int(max_len)}")
+
+
+def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor,
+                     placement=None) -> None:
     C = patch.cp_size
     if pos.dim() != 2 or pos.shape[0] != 1:
         raise ValueError(f"position_ids must be [1, T], got {tuple(pos.shape)}")
+    if placement is not None:  # a per-document shard: its positions in the global sequences
+        if not 0 <= patch.cp_rank < placement.cp_size:
+            return  # the plan's build names the group-size mismatch
+        want = placement.position_ids(patch.cp_rank).to(pos.device)
+        n = want.numel()
+        if pos.shape[1] < n or not torch.equal(pos[0, :n], want):
+            raise ValueError(f"batch: position_ids are not cp_rank {patch.cp_rank}'s positions "
+                             "under its placement (another rank's shard?): use "
+                             "model_inputs(batch) of this rank's PackedBatch")
+        return
     want = global_positions(cu, C, patch.cp_rank).to(pos.device)
     n = want.numel()
     if pos.shape[1] >= n and torch.equal(pos[0, :n], want):
@@ -374,11 +437,12 @@ def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor) ->
 
 
 def _packed_rope(patch: CPRopePatch, args, out):
-    if patch._current is None:  # called outside the model's forward: leave it alone
+    plan = patch._current
+    if plan is None:  # called outside the model's forward: leave it alone
         return out
-    cu, max_len = patch._current
-    cos, sin = patch.tables(out[0].device, max(max_len * patch.cp_size, 1))
-    rope = PackedRope(cos, sin, cu, max_len, patch.cp_size, patch.cp_rank)
+    rope_args = plan.rope_args()
+    cos, sin = patch.tables(out[0].device, rope_args["max_position_id"] + 1)
+    rope = PackedRope(cos, sin, rope_args)
     return rope, rope
 
 
@@ -394,15 +458,16 @@ def model_inputs(batch: PackedBatch) -> dict:
     ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)``. No labels:
     compute the loss with :func:`cp_rope.parallel.cp_cross_entropy`.
 
-    Raises: TypeError if ``batch`` is not a ``PackedBatch``; ValueError for a
-    per-document placement (not supported here yet).
+    A per-document shard (``batch.placement`` set) also passes ``cp_rope_placement``
+    (the patch builds the per-document plan from it; its ``position_ids`` are the
+    positions in the global sequences).
+
+    Raises: TypeError if ``batch`` is not a ``PackedBatch``.
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a cp_rope.parallel.PackedBatch, got {type(batch).__name__}")
-    if getattr(batch, "placement", None) is not None:
-        raise ValueError("batch: per-document placement is not supported by cp_rope.hf; build "
-                         "the batch with placement='zigzag'")
-    return {
+    extra = {} if batch.placement is None else {"cp_rope_placement": batch.placement}
+    return {**extra,
         "input_ids": batch.input_ids.unsqueeze(0),
         "position_ids": batch.position_ids.unsqueeze(0),
         "cu_seq_lens_q": batch.cu_seqlens,
