@@ -103,8 +103,8 @@ class ParallelConfig:
 
     cp_size: int = 1
     """Context-parallel degree C (ranks that share one sequence)."""
-    cp_method: Literal["ring", "allgather", "ulysses", "hybrid"] = "ring"
-    """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences) or hybrid (Ulysses groups of ulysses_size ranks joined by a ring)."""
+    cp_method: Literal["ring", "allgather", "ulysses", "hybrid", "auto"] = "ring"
+    """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences), hybrid (Ulysses groups of ulysses_size ranks joined by a ring) or auto (chosen per batch by the cost model, cp_rope.parallel.cost_model; constants from --cp-calibration)."""
     ulysses_size: int = 1
     """hybrid only (and required there): ranks per Ulysses all-to-all group, > 1, dividing cp_size (cp_size = Ulysses; 1, the ring, is refused so that a forgotten flag does not silently run the ring)."""
     cp_placement: Literal["zigzag", "per_document"] = "zigzag"
@@ -119,6 +119,10 @@ class ParallelConfig:
     """Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks; auto = on for cuda, off (plain gradient all-reduce) on cpu."""
     timeout_s: int = 600
     """Process-group timeout, in seconds: a hung collective fails after this."""
+    cp_self_test: Literal["on", "off"] = "on"
+    """Before the first step, check RoPE + CP attention + CP loss on the CP group against the unsharded computation (cp_rope.parallel.self_test, seconds; its time is logged); a misconfiguration fails the run naming the setting."""
+    cp_calibration: str | None = None
+    """JSON of the CP cost model's constants for --cp-method auto (python -m cp_rope.parallel.calibrate --out PATH on this machine); None = the shipped H200 numbers."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -54,6 +54,7 @@ from cp_rope.parallel.mesh import ParallelDims
 from .checkpoint import load_checkpoint, resume_checkpoint, run_identity, save_checkpoint
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
+from .cp_startup import cp_start_up
 from .config import ConfigError, PretrainConfig, to_dict, validate
 from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size, placement_args
 from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
@@ -355,6 +356,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
               f"tokens ({cfg.data.data or 'python stdlib'}), {len(dataset)} examples, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
+    cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write)  # own RNG
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,

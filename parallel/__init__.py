@@ -47,6 +47,10 @@ _EXPORTS = {
     "comm_volume": "ulysses",
     # loss
     "cp_cross_entropy": "loss",
+    # start-up parity check of the configured CP stack (module _self_test: the function
+    # must not be shadowed by a submodule of the same name)
+    "self_test": "_self_test",
+    "SelfTestError": "_self_test",
     "cp_linear_cross_entropy": "loss",
     # process groups / DeviceMesh
     "ParallelDims": "mesh",

@@ -58,11 +58,48 @@ class Strategy:
     ulysses_size: int | None = None
 
 
-def choose_strategy(info: LayoutInfo) -> Strategy:
-    """The method / placement for one batch (placeholder until the cost model lands).
+_last: dict = {}
 
-    Raises: NotImplementedError naming ``method`` / ``placement`` (``"auto"`` has no rule yet).
+
+def last_choice():
+    """The :class:`~cp_rope.parallel.cost_model.Choice` of the latest ``"auto"`` build in this
+    process (None before one): for the step log (``choice.summary()``)."""
+    return _last.get("choice")
+
+
+def choose_strategy(info: LayoutInfo) -> Strategy:
+    """The method / placement for one batch by the cost model
+    (:func:`cp_rope.parallel.cost_model.choose`, constants from
+    :func:`cp_rope.parallel.calibrate.active_calibration`).
+
+    A pure function of ``info`` and the process's calibration: every rank that loaded the
+    same calibration gets the same answer (and the plan's agreement covers the chosen
+    method). The rows' layout (``placement_fixed``) is kept; per-document rows are
+    modelled with ``split_threshold`` (the library default when None).
+
+    Raises: ValueError naming ``method='auto'`` / ``placement='auto'`` and the setting it
+    cannot honour (e.g. a ``ulysses_size`` that does not divide the heads or cp_size; a
+    placement no batch layout allows).
     """
-    raise NotImplementedError(
-        f"method={info.method!r}, placement={info.placement!r}: 'auto' has no cost model yet; "
-        "pass a method and placement explicitly")
+    from .calibrate import active_calibration
+    from .cost_model import choose
+    from .placement import default_split_threshold
+
+    placement = info.placement_fixed or (info.placement if info.placement not in (None, "auto")
+                                         else "auto")
+    threshold = info.split_threshold
+    if placement == "per_document" and threshold is None:
+        threshold = default_split_threshold(info.head_dim, info.cp_size)
+    backend = "cudnn" if info.device.type == "cuda" else "reference"
+    try:
+        choice = choose(info.global_cu_seqlens, cp_size=info.cp_size, q_heads=info.q_heads,
+                        kv_heads=info.kv_heads, head_dim=info.head_dim, dtype=info.dtype,
+                        backend=backend, method=info.method, placement=placement,
+                        split_threshold=threshold,
+                        ulysses_size=info.ulysses_size, calibration=active_calibration())
+    except ValueError as exc:
+        raise ValueError(f"method={info.method!r}, placement={info.placement!r} (auto) cannot "
+                         f"honour the other settings: {exc}") from exc
+    _last["choice"] = choice
+    return Strategy(method=choice.method, placement=choice.placement,
+                    split_threshold=choice.split_threshold, ulysses_size=choice.ulysses_size)

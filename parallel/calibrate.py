@@ -13,7 +13,10 @@ flash-attention's benchmarks do (``3.5 x 4 x pairs x H x D``), per backend, at e
 ``block_keys`` (keys per query row of a segment, ``pairs / rows``); ``call_us``:
 microseconds per block call (forward + backward); bandwidths in GB/s (1e9 bytes/s);
 ``merge_bytes_per_row``: bytes moved per output element per extra ring step (merge +
-dq accumulation); ``latency_us`` per exchange.
+dq accumulation); ``latency_us`` per exchange; ``seg_ns`` per segment and head of a block
+call; ``tile``: the kernels' tile rows; ``node_size``: GPUs joined by ``p2p_gbps`` /
+``a2a_gbps`` / ``collective_gbps`` links (one node); exchanges that span more ranks run
+at ``internode_gbps`` (per GPU).
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ import time
 import numpy as np
 import torch
 
-__all__ = ["Calibration", "CalibrationError", "default_calibration", "load_calibration",
-           "save_calibration", "measure"]
+__all__ = ["Calibration", "CalibrationError", "active_calibration", "default_calibration",
+           "load_calibration", "measure", "save_calibration", "use_calibration"]
 
 FORMAT = 1
 
@@ -55,12 +58,15 @@ class Calibration:
     latency_us: float
     seg_ns: float = 0.0
     tile: int = 128
+    node_size: int = 8
+    internode_gbps: float = 50.0
     source: str = ""
 
     def tflops_at(self, backend: str, keys: np.ndarray) -> np.ndarray:
         """TFLOP/s of ``backend`` at ``keys`` per query row (log-linear interpolation, clamped
-        at the table's ends; an unknown backend uses ``cudnn``'s table)."""
-        table = self.tflops.get(backend) or self.tflops["cudnn"]
+        at the table's ends; an unknown backend uses ``cudnn``'s table, else the first)."""
+        table = (self.tflops.get(backend) or self.tflops.get("cudnn")
+                 or next(iter(self.tflops.values())))
         x = np.log(np.asarray(self.block_keys, dtype=np.float64))
         return np.interp(np.log(np.maximum(keys, 1e-9)), x, np.asarray(table, dtype=np.float64))
 
@@ -96,6 +102,22 @@ def default_calibration(device_name: str | None = None) -> Calibration:
     if "H200" not in name:
         src += f"; not calibrated for {name!r}: run python -m cp_rope.parallel.calibrate"
     return Calibration(device_name=name, torch_version=torch.__version__, source=src, **_H200)
+
+
+_ACTIVE: dict = {}
+
+
+def use_calibration(cal: Calibration | None) -> None:
+    """Make ``cal`` the constants of ``method="auto"`` / ``placement="auto"`` in this process
+    (None: the shipped defaults). The trainers call it with ``--cp-calibration``'s file."""
+    if cal is not None and not isinstance(cal, Calibration):
+        raise TypeError(f"cal must be a Calibration or None, got {type(cal).__name__}")
+    _ACTIVE["cal"] = cal
+
+
+def active_calibration() -> Calibration:
+    """The constants set by :func:`use_calibration`, else :func:`default_calibration`."""
+    return _ACTIVE.get("cal") or default_calibration()
 
 
 def _device_name(device: torch.device | str | None) -> str:
@@ -137,8 +159,9 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
                                f"{FORMAT}); write one with python -m cp_rope.parallel.calibrate")
     fields = [f.name for f in dataclasses.fields(Calibration)]
     missing = [k for k in fields if k not in raw and k != "source"]
-    if "tile" not in missing and not (isinstance(raw["tile"], int) and raw["tile"] >= 1):
-        missing.append("tile (an int >= 1)")
+    for key in ("tile", "node_size"):
+        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1):
+            missing.append(f"{key} (an int >= 1)")
     if missing:
         raise CalibrationError(f"calibration file {path!r}: missing {', '.join(missing)}")
     try:
@@ -146,15 +169,15 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
         tflops = {str(k): tuple(float(x) for x in v) for k, v in raw["tflops"].items()}
         nums = {k: float(raw[k]) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
                                             "p2p_gbps", "a2a_gbps", "collective_gbps",
-                                            "latency_us", "seg_ns")}
-        tile = int(raw["tile"])
+                                            "latency_us", "seg_ns", "internode_gbps")}
+        tile, node_size = int(raw["tile"]), int(raw["node_size"])
     except (TypeError, ValueError, AttributeError) as exc:
         raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
     bad = [k for k, v in nums.items() if not math.isfinite(v) or v < 0
            or (v == 0 and k.endswith("gbps"))]
     bad += [f"tflops[{k}]" for k, v in tflops.items()
             if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
-    if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or "cudnn" not in tflops:
+    if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or not tflops:
         bad.append("block_keys / tflops['cudnn']")
     if bad:
         raise CalibrationError(f"calibration file {path!r}: invalid {', '.join(bad)}")
@@ -166,7 +189,8 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
                 f"{raw['torch_version']}, this run uses {here!r} with torch {torch.__version__}; "
                 f"calibrate here (python -m cp_rope.parallel.calibrate --out {path})")
     return Calibration(device_name=str(raw["device_name"]), torch_version=str(raw["torch_version"]),
-                       block_keys=keys, tflops=tflops, tile=tile, source=f"file {path}", **nums)
+                       block_keys=keys, tflops=tflops, tile=tile, node_size=node_size,
+                       source=f"file {path}", **nums)
 
 
 # ------------------------------------------------------------------ measurement

@@ -26,7 +26,8 @@ The model (times in seconds, one rank, one layer, forward + backward):
   calibrated link bandwidths plus ``latency_us`` per exchange. The ring's K/V (and dK/dV)
   exchanges overlap the step computing meanwhile (a step costs ``max(compute, exchange)``);
   the all-gather's forward gather overlaps the local block; all-to-alls and the
-  reduce-scatter are exposed.
+  reduce-scatter are exposed. Exchanges among more than ``node_size`` ranks run at
+  ``internode_gbps`` (hybrid keeps its all-to-all of U <= node_size ranks inside a node).
 * **placement** -- per-document: :func:`~cp_rope.parallel.place_documents` gives each rank
   its whole documents (one local causal call) and the split documents run the method
   first (:func:`~cp_rope.parallel.per_document_attention`'s order); the step time is the
@@ -172,7 +173,7 @@ def _allgather_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc) -> float:
     rows = int(lens.sum()) // C
     vol = comm_volume("allgather", n_tokens=rows, q_heads=hq, kv_heads=hkv, head_dim=D,
                       cp_size=C, elem_bytes=elem, acc_bytes=acc)
-    bw = cal.collective_gbps * 1e9
+    bw = (cal.collective_gbps if C <= cal.node_size else cal.internode_gbps) * 1e9
     gather = vol["overlapped"] / bw + cal.latency_us * 1e-6
     exposed = (vol["forward"] + vol["backward"] - vol["overlapped"]) / bw \
         + 2 * cal.latency_us * 1e-6
@@ -192,17 +193,20 @@ def _a2a_time(cal, backend, lens, C, r, U, hq, hkv, D, elem, acc) -> float:
     vol = comm_volume(method, n_tokens=rows, q_heads=hq, kv_heads=hkv, head_dim=D, cp_size=C,
                       ulysses_size=None if U == C else U, elem_bytes=elem, acc_bytes=acc)
     a2a_bytes = vol["forward"] + vol["backward"] - vol["overlapped"]
-    a2a = a2a_bytes / (cal.a2a_gbps * 1e9) + 4 * cal.latency_us * 1e-6
+    a2a_link = cal.a2a_gbps if U <= cal.node_size else cal.internode_gbps
+    a2a = a2a_bytes / (a2a_link * 1e9) + 4 * cal.latency_us * 1e-6
     # pack / unpack of every all-to-all buffer (read + write on both sides)
     mem = 2 * a2a_bytes * U / max(U - 1, 1) / (cal.hbm_gbps * 1e9)
+    # the ring joins ranks U apart: across nodes once the group spans more than one
     ring = _ring_time(cal, backend, lens, R, r // U, hq // U, max(hkv // U, 1), D, elem, acc,
-                      cal.p2p_gbps)
+                      cal.p2p_gbps if C <= cal.node_size else cal.internode_gbps)
     return a2a + mem + ring
 
 
 def _method_time(cal, backend, s: Setting, lens, C, r, hq, hkv, D, elem, acc) -> float:
     if s.method == "ring":
-        return _ring_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc, cal.p2p_gbps)
+        link = cal.p2p_gbps if C <= cal.node_size else cal.internode_gbps
+        return _ring_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc, link)
     if s.method == "allgather":
         return _allgather_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc)
     U = C if s.method == "ulysses" else s.ulysses_size

@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from dist_utils import run_distributed  # noqa: E402
 
 from cp_rope.parallel import _blocks  # noqa: E402
-from cp_rope.parallel.self_test import SelfTestError, self_test  # noqa: E402
+from cp_rope.parallel._self_test import SelfTestError, self_test  # noqa: E402
 
 
 def test_cp1_passes_and_keeps_rng_state():
@@ -87,3 +87,20 @@ def _body(rank, world):
 
 def test_two_ranks_pass_and_catch_misconfigurations():
     run_distributed(_body, 2)
+
+
+def _trainer_body(rank, world, tmp):
+    from utils import tiny_pretrain_argv
+
+    from cp_rope.launch.pretrain import main
+
+    common = tiny_pretrain_argv() + ["--cp-size", "2", "--steps", "3", "--fsdp", "off",
+                                     "--no-save-final"]
+    on = main(common + ["--out-dir", f"{tmp}/on"])
+    off = main(common + ["--out-dir", f"{tmp}/off", "--cp-self-test", "off"])
+    assert sorted(on["losses"]) == [1, 2, 3]
+    assert on["losses"] == off["losses"], (on["losses"], off["losses"])  # bit for bit
+
+
+def test_training_losses_equal_with_the_self_test_on_and_off(tmp_path):
+    run_distributed(_trainer_body, 2, str(tmp_path))

@@ -1,0 +1,65 @@
+"""The trainers' CP start-up steps (pretrain and finetune_hf, through ``pretrain.set_up``): the
+cost model's calibration for ``--cp-method auto`` and the CP self-test (``--cp-self-test``).
+
+The self-test uses its own random generator: a run's losses are bit-for-bit the same with it
+on or off (``tests/test_self_test.py``).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from cp_rope.parallel import calibrate
+from cp_rope.parallel._self_test import self_test
+from cp_rope.parallel.ulysses import check_ulysses_args
+
+from .config import ConfigError, PretrainConfig
+
+__all__ = ["cp_start_up"]
+
+
+def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.device,
+                dtype: torch.dtype, log) -> None:
+    """Load ``--cp-calibration`` (for auto) and run the CP self-test on ``cp_group``.
+
+    ``log``: a callable taking one line (rank 0 prints it). Runs on every rank (collective
+    over the CP group).
+
+    Raises: ConfigError naming ``parallel.cp_calibration`` for a file that cannot be used;
+    :class:`~cp_rope.parallel.self_test.SelfTestError` (every rank) when the check fails.
+    """
+    p, m = cfg.parallel, cfg.model
+    if p.cp_calibration is not None:
+        try:
+            cal = calibrate.load_calibration(p.cp_calibration, device)
+        except calibrate.CalibrationError as exc:
+            raise ConfigError(f"parallel.cp_calibration: {exc}") from exc
+        calibrate.use_calibration(cal)
+        log(f"cp cost model: {cal.source} ({cal.device_name}, torch {cal.torch_version})")
+    if p.cp_self_test != "on" or cp_size == 1 and p.cp_method != "auto":
+        return
+    head_dim = m.dim // m.n_heads
+    if p.cp_method == "auto":  # every method the chooser may pick for these heads
+        methods = []
+        for method in ("ring", "allgather", "ulysses"):
+            try:
+                check_ulysses_args(method, None, cp_size, m.n_heads, m.n_kv_heads)
+                methods.append((method, None))
+            except ValueError:
+                pass
+    else:
+        methods = [(p.cp_method, p.ulysses_size if p.cp_method == "hybrid" else None)]
+    threshold = p.cp_split_threshold
+    t0 = time.perf_counter()
+    worst = 0.0
+    for method, u in methods:
+        res = self_test(cp_group if cp_size > 1 else None, method=method,
+                        backend=p.attn_backend, placement=p.cp_placement, ulysses_size=u,
+                        split_threshold=threshold, q_heads=m.n_heads, kv_heads=m.n_kv_heads,
+                        head_dim=head_dim, dtype=dtype, device=device)
+        worst = max(worst, max(res.errors.values()))
+    log(f"cp self-test: passed in {time.perf_counter() - t0:.2f} s ("
+        + ", ".join(m for m, _ in methods) + f", {p.cp_placement}, cp {cp_size}, "
+        f"{str(dtype).removeprefix('torch.')}; largest relative difference {worst:.1e})")

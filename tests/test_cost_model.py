@@ -1,0 +1,139 @@
+"""The cost model and method="auto": predictions against measured rows, deterministic picks,
+bad input (auto with settings it cannot honour, foreign / unreadable calibration files), and
+float64 parity (gloo, cp 1/2/3/4) of batches on which auto picks each method."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(__file__))
+from dist_utils import run_distributed  # noqa: E402
+
+from cp_rope.parallel import calibrate as calib  # noqa: E402
+from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
+from cp_rope.parallel._choose import last_choice  # noqa: E402
+from cp_rope.parallel.attention import attention_plan  # noqa: E402
+from cp_rope.parallel.cost_model import Setting, choose, predict  # noqa: E402
+from cp_rope.parallel._self_test import _reference_attention  # noqa: E402
+
+H = dict(q_heads=32, kv_heads=8, head_dim=128)
+
+
+def test_cp2_predictions_within_15_percent_of_two_h200_rows():
+    # docs/benchmarks.md, "Multi-GPU: CP scaling on packed layouts at cp 2 (issue 16)"
+    one, short = [0, 131072], [0, *range(2048, 131073, 2048)]
+    for cu, setting, ms in ((one, Setting("zigzag", None, "ring"), 466.86),
+                            (one, Setting("zigzag", None, "ulysses"), 474.72),
+                            (short, Setting("zigzag", None, "allgather"), 24.69),
+                            (short, Setting("per_document", 16384, "ring"), 9.41)):
+        got = predict(cu, setting, cp_size=2, **H)
+        assert abs(got / ms - 1) <= 0.15, (setting, got, ms)
+
+
+def test_choose_is_deterministic_and_follows_the_layout():
+    short = [0, *range(256, 131073, 256)]
+    a = choose(short, cp_size=4, **H)
+    assert a == choose(short, cp_size=4, **H)
+    assert a.placement == "per_document"  # 512 x 256: documents whole (bound 0.10 zigzag)
+    assert [ms for ms, _ in a.ranking] == sorted(ms for ms, _ in a.ranking)
+    long = choose([0, 131072], cp_size=8, **H)
+    assert long.placement == "zigzag" and long.method in ("ring", "ulysses", "hybrid")
+    assert "auto:" in a.summary()
+
+
+def test_auto_refuses_settings_it_cannot_honour():
+    with pytest.raises(ValueError, match="q heads"):  # U = 3 does not divide 32 heads
+        choose([0, 1536], cp_size=6, method="auto", ulysses_size=3, **H)
+    with pytest.raises(ValueError, match="placement='zigzag'"):
+        choose([0, 6], cp_size=2, placement="zigzag", **H)  # 6 % 4 != 0
+
+
+def test_calibration_files(tmp_path):
+    cal = calib.default_calibration("cpu")
+    path = str(tmp_path / "cal.json")
+    calib.save_calibration(cal, path)
+    got = calib.load_calibration(path, "cpu")
+    assert got.tflops == cal.tflops and got.p2p_gbps == cal.p2p_gbps
+    other = dict(json.load(open(path)), device_name="NVIDIA B200")
+    json.dump(other, open(path, "w"))
+    with pytest.raises(calib.CalibrationError, match=r"cal\.json.*'NVIDIA B200'"):
+        calib.load_calibration(path, "cpu")
+    json.dump(dict(other, device_name="cpu", torch_version="1.0"), open(path, "w"))
+    with pytest.raises(calib.CalibrationError, match="torch 1.0"):
+        calib.load_calibration(path, "cpu")
+    open(path, "w").write("{not json")
+    with pytest.raises(calib.CalibrationError, match=r"cal\.json.*cannot read"):
+        calib.load_calibration(path, "cpu")
+    with pytest.raises(calib.CalibrationError, match="missing.json"):
+        calib.load_calibration(str(tmp_path / "missing.json"))
+    json.dump(dict(cal.to_dict(), p2p_gbps=-1), open(path, "w"))
+    with pytest.raises(calib.CalibrationError, match="invalid p2p_gbps"):
+        calib.load_calibration(path, "cpu")
+
+
+def test_measure_on_cpu_writes_a_loadable_file(tmp_path):
+    cal = calib.measure("cpu", tokens=64, heads=2, kv_heads=1, head_dim=16, iters=1)
+    path = str(tmp_path / "m.json")
+    calib.save_calibration(cal, path)
+    assert calib.load_calibration(path, "cpu").device_name == "cpu"
+
+
+# calibrations that steer auto to each method (the batch decides among what the links allow)
+_SLOW = 1e-3
+
+
+def _steer(method):
+    base = calib.default_calibration()
+    if method == "ring":
+        return dataclasses.replace(base, a2a_gbps=_SLOW, collective_gbps=_SLOW)
+    if method == "allgather":
+        return dataclasses.replace(base, a2a_gbps=_SLOW, p2p_gbps=_SLOW)
+    if method == "ulysses":
+        return dataclasses.replace(base, p2p_gbps=_SLOW, collective_gbps=_SLOW)
+    # hybrid: nodes of 2 GPUs with fast all-to-all inside, slow links between them
+    return dataclasses.replace(base, node_size=2, internode_gbps=0.01, a2a_gbps=100.0)
+
+
+def _parity_body(rank, world):
+    group = dist.group.WORLD if world > 1 else None
+    lens = [2 * world * n for n in (1, 5, 3, 8)]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    methods = ["ring", "allgather"] + (["ulysses"] if world > 1 else []) + \
+        (["hybrid"] if world == 4 else [])
+    for method in methods:
+        # MHA (heads split over 2, 3, 4 ranks); GQA for hybrid, whose ring then moves fewer
+        # bytes across the slow links than Ulysses' all-to-all
+        hq, hkv, d = (12, 2, 8) if method == "hybrid" else (12, 12, 8)
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(int(cu[-1]), h, d, generator=gen, dtype=torch.float64)
+                   for h in (hq, hkv, hkv))
+        ref = _reference_attention(q, k, v, cu)
+        calib.use_calibration(_steer(method))
+        try:
+            local_cu = cu // world
+            plan = attention_plan(local_cu, int(max(lens)) // world, q_heads=hq, kv_heads=hkv,
+                                  head_dim=d, dtype=torch.float64, device="cpu", group=group,
+                                  method="auto", backend="reference")
+        finally:
+            calib.use_calibration(None)
+        want = method if world > 1 else "ring"
+        assert plan.method == want, (world, method, plan.method, last_choice().summary())
+        ql, kl, vl = (shard_tensor(t, cu, world, rank) for t in (q, k, v))
+        out = context_parallel_attention(ql, kl, vl, plan=plan)
+        got = unshard(out, local_cu, group) if world > 1 else out
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_auto_float64_parity_for_each_method(world):
+    if world == 1:
+        _parity_body(0, 1)
+    else:
+        run_distributed(_parity_body, world)
