@@ -22,6 +22,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS
+
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
@@ -103,15 +105,15 @@ class ParallelConfig:
 
     cp_size: int = 1
     """Context-parallel degree C (ranks that share one sequence)."""
-    cp_method: Literal["ring", "allgather", "ulysses", "hybrid", "auto"] = "ring"
+    cp_method: Literal[(*METHODS, AUTO)] = "ring"
     """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences), hybrid (Ulysses groups of ulysses_size ranks joined by a ring) or auto (chosen per batch by the cost model, cp_rope.parallel.cost_model; constants from --cp-calibration)."""
     ulysses_size: int = 1
     """hybrid only (and required there): ranks per Ulysses all-to-all group, > 1, dividing cp_size (cp_size = Ulysses; 1, the ring, is refused so that a forgotten flag does not silently run the ring)."""
-    cp_placement: Literal["zigzag", "per_document"] = "zigzag"
+    cp_placement: Literal[PLACEMENTS] = "zigzag"
     """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks) or per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag)."""
     cp_split_threshold: int | None = None
     """per_document only: longest document kept whole on one rank, in tokens (padded length); None = cp_rope.parallel.default_split_threshold(head_dim, cp_size) = 2 x cp_size x max(512, 65536 // head_dim), e.g. 2048 at head_dim 128 and cp_size 2."""
-    attn_backend: Literal["auto", "flash_attn", "torch_cudnn", "torch_flash", "reference"] = "auto"
+    attn_backend: Literal[BACKEND_CHOICES] = "auto"
     """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
     """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path; triton on cpu needs TRITON_INTERPRET=1."""
@@ -376,7 +378,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     if t.device == "cuda":
         _require(torch.cuda.is_available(), "train.device", t.device, "CUDA is not available")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-    if p.attn_backend in ("flash_attn", "torch_flash", "torch_cudnn"):
+    if p.attn_backend in ("cudnn", "flash_attn", "torch_flash", "torch_cudnn"):
         _require(on_cuda, "parallel.attn_backend", p.attn_backend,
                  "needs CUDA (this run is on cpu); use auto or reference")
         _require(t.dtype != "float32", "parallel.attn_backend", p.attn_backend,

@@ -302,3 +302,20 @@ def test_hf_plans_once_per_forward_and_runs_per_document():
     zigzag run's logits."""
     pytest.importorskip("transformers")
     run_distributed(_hf_body, 4, timeout_s=180)
+
+
+def test_config_reads_the_one_list_of_each_choice():
+    """Issue 20 item 2: the config's choices are the library's lists (it lacked "cudnn")."""
+    import typing
+
+    from cp_rope.launch.config import ConfigError, ParallelConfig, PretrainConfig, validate
+    from cp_rope.parallel import BACKENDS, METHODS, PLACEMENTS
+
+    hints = typing.get_type_hints(ParallelConfig)
+    assert typing.get_args(hints["cp_method"]) == (*METHODS, "auto")
+    assert typing.get_args(hints["attn_backend"]) == ("auto", *BACKENDS)
+    assert typing.get_args(hints["cp_placement"]) == PLACEMENTS
+    cfg = PretrainConfig()
+    cfg.parallel.attn_backend, cfg.train.device = "cudnn", "cpu"
+    with pytest.raises(ConfigError, match="parallel.attn_backend='cudnn': needs CUDA"):
+        validate(cfg, 1)

@@ -14,7 +14,7 @@ from cp_rope.cache import inv_freq as _cp_inv_freq
 from cp_rope.cache import rope_cache
 from cp_rope.ops import apply_rotary_emb_qk
 from cp_rope.parallel import PackedBatch, attention_plan, context_parallel_attention
-from cp_rope.parallel.choices import BACKEND_CHOICES, METHODS
+from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS
 from cp_rope.positions import global_positions
 from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
@@ -254,7 +254,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     rope_kernel = check_bool("rope_kernel", rope_kernel)
     if mlp_tile_tokens is not None:
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
-    method = check_choice("method", method, METHODS)
+    method = check_choice("method", method, (*METHODS, AUTO))
     backend = check_choice("backend", backend, BACKEND_CHOICES)
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
