@@ -80,7 +80,11 @@ class DataConfig:
     data: str | None = None
     """Corpus: None = the running Python's stdlib *.py files; a .jsonl file (text field), a directory of .txt files, or a pre-tokenized .bin (memmap)."""
     tokenizer: str | None = None
-    """Path to a local HuggingFace tokenizer.json (needs the tokenizers package); None = bytes (256 ids + BOS/EOS/PAD)."""
+    """bytes (256 ids + BOS/EOS/PAD), bpe (a byte-level BPE of bpe_vocab_size ids trained once on the training documents, saved as out_dir/tokenizer.json and reused by a resume; needs the tokenizers package), or the path of a local HuggingFace tokenizer.json; None = bpe for the default stdlib corpus, bytes for other text corpora."""
+    bpe_vocab_size: int = 4096
+    """Ids of the trained BPE (--tokenizer bpe): 256 bytes + 2 special tokens + merges."""
+    eval_docs: int | None = None
+    """Documents held out of training for the held-out loss and bits per byte, evenly spaced over the corpus (a .bin: its last ones); None = min(16, documents / 10); 0 = none."""
     text_field: str = "text"
     """JSONL key holding each document's text."""
     bin_dtype: Literal["uint16", "uint32"] = "uint16"
@@ -167,6 +171,8 @@ class TrainConfig:
     """Run directory: metrics.jsonl, TensorBoard events, checkpoints/."""
     log_every: int = 10
     """Log loss, LR, tokens/s every N steps, in steps."""
+    eval_every: int | None = None
+    """Evaluate the loss and bits per byte on the held-out documents (--eval-docs) every N steps, in steps, and after the last step; None = after the last step only."""
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     save_final: bool = True
@@ -211,8 +217,9 @@ SECTIONS = ("model", "data", "parallel", "optim", "train")
 
 # ------------------------------------------------------------------- presets
 def tiny() -> PretrainConfig:
-    """CPU default: ~0.8M parameters, byte vocabulary, 1024-token examples."""
-    return PretrainConfig()
+    """CPU default: ~1.4M parameters, 1024-token examples, held-out evaluation every 40 steps
+    (the stdlib corpus: a 4096-id BPE trained on it)."""
+    return PretrainConfig(train=TrainConfig(eval_every=40))
 
 
 def gpt_125m() -> PretrainConfig:
@@ -351,8 +358,15 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
                      "a pre-tokenized .bin corpus needs --eos-id (the id that ends each document)")
             _require(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
                      "a pre-tokenized .bin corpus needs --vocab-size")
-    if d.tokenizer is not None:
-        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer, "no such file")
+    if d.tokenizer not in (None, "bytes", "bpe"):
+        _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer,
+                 "no such file (or bytes / bpe)")
+    _require(d.tokenizer != "bpe" or d.data is None or not d.data.endswith(".bin"),
+             "data.tokenizer", d.tokenizer, "a pre-tokenized .bin corpus has its ids already")
+    _require(259 <= d.bpe_vocab_size <= 2**20, "data.bpe_vocab_size", d.bpe_vocab_size,
+             "must be in [259, 2**20] (256 bytes + 2 special tokens + merges)")
+    _require(d.eval_docs is None or d.eval_docs >= 0, "data.eval_docs (--eval-docs)", d.eval_docs,
+             "must be >= 0 documents (0 = no held-out evaluation)")
     _require(o.lr > 0, "optim.lr", o.lr, "must be > 0")
     _require(0 <= o.min_lr_ratio <= 1, "optim.min_lr_ratio", o.min_lr_ratio, "must be in [0, 1]")
     _require(o.warmup_steps >= 0, "optim.warmup_steps", o.warmup_steps, "must be >= 0")
@@ -370,6 +384,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              t.stop_at_step, f"must be <= train.steps={t.steps} (the run ends at --steps anyway; "
              "to train longer, raise --steps)")
     _require(t.log_every >= 1, "train.log_every", t.log_every, "must be >= 1")
+    _require(t.eval_every is None or t.eval_every >= 1, "train.eval_every (--eval-every)",
+             t.eval_every, "must be >= 1 step (unset: after the last step only; --eval-docs 0: "
+             "no evaluation)")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")
     _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0")
@@ -423,7 +440,7 @@ RESUME_FIXED: dict[str, tuple[str, ...]] = {
     "model": ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size",
               "norm_eps", "rope_base"),
     "data": ("data", "tokenizer", "text_field", "bin_dtype", "eos_id", "seq_mode", "seq_len",
-             "tokens_per_batch", "max_docs"),
+             "tokens_per_batch", "max_docs", "bpe_vocab_size", "eval_docs"),
     "parallel": ("cp_size",),
     "optim": ("lr", "beta1", "beta2", "eps", "weight_decay"),
     "train": ("seed",),

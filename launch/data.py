@@ -13,10 +13,15 @@ array, not a Python object per document. Sources (``--data``):
 * ``*.bin``: pre-tokenized ids (``--bin-dtype`` uint16/uint32, e.g. nanoGPT /
   Megatron style), documents split after each ``--eos-id``.
 
-Tokenizers (``--tokenizer``): byte-level by default (ids 0..255 are the
-bytes of the UTF-8 text, then BOS 256, EOS 257, PAD 258; vocabulary 320 after
-rounding up to a multiple of 64), or a local HuggingFace ``tokenizer.json``
-read with the ``tokenizers`` library (never a hub download).
+Tokenizers (``--tokenizer``): ``bytes`` (ids 0..255 are the bytes of the
+UTF-8 text, then BOS 256, EOS 257, PAD 258; vocabulary 320 after rounding up to
+a multiple of 64), or a local HuggingFace ``tokenizer.json`` read with the
+``tokenizers`` library (never a hub download). Here ``None`` means bytes; the
+trainer's default for the stdlib corpus, a byte-level BPE trained on it (``bpe``),
+is :mod:`cp_rope.launch.tokenizer`.
+
+Held-out documents (``--eval-docs``): :func:`held_out_ids` picks them, evenly spaced
+over the corpus; :func:`split_corpus` separates them from the training documents.
 
 Every text document becomes ``[BOS] + tokens + [EOS]``. ``--seq-mode docs``
 makes each document an example (cut at ``seq_len`` by the collator);
@@ -49,7 +54,8 @@ from .config import ConfigError, DataConfig, ModelConfig, ParallelConfig
 
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "Corpus", "load_tokenizer", "load_corpus", "stdlib_files",
-    "TokenDataset", "build_loader", "placement_args",
+    "TokenDataset", "build_loader", "placement_args", "held_out_ids", "eval_doc_count",
+    "split_corpus", "token_byte_lengths",
 ]
 
 
@@ -66,6 +72,10 @@ class ByteTokenizer:
         """Text (str, encoded as UTF-8) or raw bytes -> uint16 ``[n]`` ids."""
         raw = data.encode("utf-8") if isinstance(data, str) else data
         return np.frombuffer(raw, dtype=np.uint8).astype(np.uint16)
+
+    def token_bytes(self) -> np.ndarray:
+        """int64 ``[259]`` bytes of text per id: 1 for the 256 bytes, 0 for BOS/EOS/PAD."""
+        return np.concatenate([np.ones(256, np.int64), np.zeros(3, np.int64)])
 
 
 class HFTokenizer:
@@ -109,10 +119,50 @@ class HFTokenizer:
         text = data.decode("utf-8", errors="replace") if isinstance(data, bytes) else data
         return np.asarray(self._tok.encode(text, add_special_tokens=False).ids, dtype=np.uint32)
 
+    def token_bytes(self) -> np.ndarray:
+        """int64 ``[vocab_size]`` bytes of text per id, 0 for special tokens
+        (:func:`token_byte_lengths`)."""
+        return token_byte_lengths(self._tok)
+
+
+def token_byte_lengths(tok) -> np.ndarray:
+    """int64 ``[vocab_size]``: bytes of text each id of a ``tokenizers.Tokenizer`` stands for.
+
+    Special / added tokens count 0 (BOS, EOS, PAD are not text). A byte-level vocabulary
+    (GPT-2 / Llama 3 style, every symbol one byte) counts characters of the token string;
+    otherwise SentencePiece conventions: ``<0xNN>`` byte-fallback tokens are 1 byte, ``▁``
+    is a space, the rest their UTF-8 length.
+    """
+    vocab = tok.get_vocab(with_added_tokens=True)
+    out = np.zeros(tok.get_vocab_size(with_added_tokens=True), np.int64)
+    added = set(tok.get_added_tokens_decoder()) if hasattr(tok, "get_added_tokens_decoder") else set()
+    from tokenizers.pre_tokenizers import ByteLevel
+
+    alphabet = set(ByteLevel.alphabet())
+    normal = {s: i for s, i in vocab.items() if i not in added}
+    byte_level = all(set(s) <= alphabet for s in normal)
+    for s, i in normal.items():
+        if byte_level:
+            out[i] = len(s)
+        elif len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out[i] = 1
+        else:
+            out[i] = len(s.replace("\u2581", " ").encode("utf-8"))
+    return out
+
 
 def load_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
-    """The tokenizer ``cfg`` asks for (``None`` -> bytes)."""
-    return ByteTokenizer() if cfg.tokenizer is None else HFTokenizer(cfg.tokenizer)
+    """The tokenizer ``cfg`` asks for (``None`` or ``"bytes"`` -> bytes).
+
+    Raises: ConfigError for ``"bpe"``: the trainer trains it on the run's corpus
+    (:func:`cp_rope.launch.tokenizer.prepare_corpora`); or see :class:`HFTokenizer`.
+    """
+    if cfg.tokenizer in (None, "bytes"):
+        return ByteTokenizer()
+    if cfg.tokenizer == "bpe":
+        raise ConfigError("data.tokenizer='bpe': trained on the run's corpus by the trainer "
+                          "(cp_rope.launch.tokenizer.prepare_corpora), not loadable by itself")
+    return HFTokenizer(cfg.tokenizer)
 
 
 def padded_vocab_size(n: int, multiple: int = 64) -> int:
@@ -278,6 +328,57 @@ def load_corpus(cfg: DataConfig, vocab_size: int = 0) -> Corpus:
     np.cumsum(lengths, out=offsets[1:])
     return Corpus(tokens=np.concatenate(parts), offsets=offsets, vocab_size=tok.vocab_size,
                   pad_id=tok.pad_id)
+
+
+def eval_doc_count(eval_docs: int | None, num_docs: int) -> int:
+    """Held-out documents of a corpus of ``num_docs``: ``eval_docs``, or when None
+    ``min(16, num_docs // 10)`` (none for fewer than 10 documents).
+
+    Raises: ConfigError naming ``data.eval_docs`` when it leaves no training document.
+    """
+    n = min(16, num_docs // 10) if eval_docs is None else eval_docs
+    if n >= num_docs:
+        raise ConfigError(f"data.eval_docs={eval_docs} (--eval-docs): the corpus has {num_docs} "
+                          "documents; hold out fewer (0 = no held-out evaluation)")
+    return n
+
+
+def held_out_ids(num_docs: int, n_eval: int) -> np.ndarray:
+    """int64 ``[n_eval]`` sorted ids of the held-out documents: ``floor((k + 1/2) num_docs /
+    n_eval)`` for ``k < n_eval``, evenly spaced over the corpus (which is sorted by path, so
+    they span its parts). Independent of the seed and the tokenizer: runs compare on the same
+    text."""
+    return ((np.arange(n_eval, dtype=np.int64) * 2 + 1) * num_docs) // (2 * max(n_eval, 1))
+
+
+def split_corpus(corpus: Corpus, n_eval: int) -> tuple[Corpus, Corpus | None]:
+    """``(training documents, held-out documents or None)``; disjoint, each in corpus order.
+
+    Text corpora hold out :func:`held_out_ids`; a memmapped ``.bin`` corpus holds out its
+    last ``n_eval`` documents (views: a 10 GB memmap is never copied).
+    """
+    if n_eval <= 0:
+        return corpus, None
+    d = corpus.num_docs
+    if isinstance(corpus.tokens, np.memmap):
+        cut = int(corpus.offsets[d - n_eval])
+        held = Corpus(tokens=corpus.tokens[cut:int(corpus.offsets[-1])],
+                      offsets=corpus.offsets[d - n_eval:] - cut, vocab_size=corpus.vocab_size,
+                      pad_id=corpus.pad_id)
+        train = Corpus(tokens=corpus.tokens, offsets=corpus.offsets[:d - n_eval + 1],
+                       vocab_size=corpus.vocab_size, pad_id=corpus.pad_id)
+        return train, held
+    is_held = np.zeros(d, bool)
+    is_held[held_out_ids(d, n_eval)] = True
+
+    def take(mask: np.ndarray) -> Corpus:
+        starts, ends = corpus.offsets[:-1][mask], corpus.offsets[1:][mask]
+        offsets = np.zeros(starts.size + 1, np.int64)
+        np.cumsum(ends - starts, out=offsets[1:])
+        idx = np.repeat(starts - offsets[:-1], ends - starts) + np.arange(int(offsets[-1]))
+        return Corpus(tokens=corpus.tokens[idx], offsets=offsets, vocab_size=corpus.vocab_size,
+                      pad_id=corpus.pad_id)
+    return take(~is_held), take(is_held)
 
 
 class TokenDataset(Dataset):

@@ -251,8 +251,8 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
         raise ConfigError(f"hf.{exc}") from None
     data = dataclasses.replace(fc.data)
     own = os.path.join(fc.hf.model, "tokenizer.json")
-    if data.tokenizer is None and os.path.isfile(own):
-        data.tokenizer = own
+    if data.tokenizer is None:  # the model's own ids, else bytes (never a BPE trained here)
+        data.tokenizer = own if os.path.isfile(own) else "bytes"
     cfg = PretrainConfig(model=_model_section(hf_config, fc.hf), data=data,
                          parallel=fc.parallel, optim=fc.optim, train=fc.train)
     if fc.parallel.rope_backend != "auto":

@@ -3,24 +3,30 @@
 * throughput and MFU arithmetic: :func:`flops_per_step`, :func:`peak_tflops`,
   :class:`Throughput` (tokens/s per log window and for the whole run);
 * :func:`peak_memory_gib`;
-* :class:`MetricsLogger`: rank-0 logging (tqdm, a JSONL metrics file, TensorBoard when installed).
+* bits per byte (:func:`bits_per_byte`) and the CP ranks' attention work (:func:`cp_rank_work`),
+  counted per step on the host by :class:`StepStats`;
+* :class:`MetricsLogger`: rank-0 logging (tqdm, a JSONL metrics file, TensorBoard when installed);
+  :func:`log_step` writes one step's line.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import resource
 import sys
 import time
 import warnings
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from .config import ConfigError, ModelConfig
 
-__all__ = ["MetricsLogger", "Throughput", "flops_per_step", "peak_tflops", "peak_memory_gib"]
+__all__ = ["MetricsLogger", "Throughput", "flops_per_step", "peak_tflops", "peak_memory_gib",
+           "bits_per_byte", "cp_rank_work", "StepStats", "log_step"]
 
 # Dense bf16 tensor-core peak of one GPU, TFLOP/s (vendor datasheets, SXM parts).
 _PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0,
@@ -104,6 +110,10 @@ class Throughput:
         self._t_window = time.perf_counter()
         return out
 
+    def exclude(self, seconds: float) -> None:
+        """Leave ``seconds`` spent outside the steps (a held-out evaluation) out of the window."""
+        self._t_window += seconds
+
     def run_tokens_per_s(self) -> tuple[float, bool]:
         """``(tokens/s of the job, first_step_only)``: over every step but the first, whose set-up
         is not timed, unless it was the only one (then ``first_step_only`` is True); nan
@@ -123,6 +133,121 @@ def peak_memory_gib(device: torch.device) -> float:
         return torch.cuda.max_memory_allocated(device) / 2**30
     kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     return kib / 2**20
+
+
+def bits_per_byte(nll_nats: float, n_bytes: float) -> float:
+    """Bits per byte of text: ``nll_nats / (ln 2 * n_bytes)``.
+
+    ``nll_nats``: the SUM of the token negative log-likelihoods (nats) of the predicted
+    tokens; ``n_bytes``: the bytes of text those tokens stand for (their UTF-8 bytes; special
+    tokens 0). Tokenizer-independent, so runs with different vocabularies compare (Gao et
+    al. 2020, The Pile, section 5). NaN when ``n_bytes`` is 0.
+    """
+    return nll_nats / (math.log(2) * n_bytes) if n_bytes > 0 else float("nan")
+
+
+def cp_rank_work(batch) -> np.ndarray:
+    """float64 ``[C]``: causal query-key pairs of attention each rank of the batch's CP group
+    computes, from a host :class:`~cp_rope.parallel.PackedBatch` shard (no communication).
+
+    A per-document shard: :meth:`~cp_rope.parallel.placement.DocumentPlacement.work`. Zigzag:
+    every sequence of padded length ``L`` gives every rank ``L / (2 C) * (L + 1)`` pairs
+    (:mod:`cp_rope.parallel.placement`'s balance note), so the ranks are equal.
+    """
+    c = batch.cp_size
+    if batch.placement is not None:
+        return np.array([batch.placement.work(r) for r in range(c)], np.float64)
+    lens = np.diff(batch.global_cu_seqlens.numpy().astype(np.int64))
+    return np.full(c, float((lens // (2 * c) * (lens + 1)).sum()))
+
+
+class StepStats:
+    """Host counts per step for bits per byte and the CP balance, reduced at log steps.
+
+    Args:
+        token_bytes: int64 ``[vocab]`` bytes of text per id, or None (no bits per byte).
+        cp_size: the CP degree (the balance is logged for ``cp_size > 1``).
+        group: the dp x cp group the loss averages over (counts are summed over it).
+        device: where the reduced counts live (the process group's device).
+    """
+
+    def __init__(self, token_bytes: np.ndarray | None, *, cp_size: int, group, device):
+        self.token_bytes, self.cp, self.group, self.device = token_bytes, cp_size, group, device
+        self._counts = (0, 0)  # the last step's labelled tokens, bytes (this rank)
+        self._work = np.zeros(cp_size)
+        self.bpb: dict[int, float] = {}
+        """Bits per byte of each logged step."""
+        self.held_out: dict[int, float] = {}
+        """Held-out bits per byte of each evaluated step (rank 0 fills it)."""
+
+    def add(self, batch) -> None:
+        """Count one step's host batch shard (labels ``< 0`` are not predicted)."""
+        labels = batch.labels.numpy()
+        real = labels[labels >= 0]
+        n_bytes = int(self.token_bytes[real].sum()) if self.token_bytes is not None else 0
+        self._counts = (real.size, n_bytes)
+        if self.cp > 1:
+            self._work += cp_rank_work(batch)
+
+    def fields(self, step: int, loss: float) -> dict:
+        """``bpb`` of the last step (``loss`` x the group's labelled tokens = its NLL sum) and,
+        for CP, ``cp_work`` (each rank's attention pairs since the previous log, this rank's
+        group) and ``cp_balance`` (max / mean of them). All ranks call it together."""
+        out = {}
+        if self.token_bytes is not None:
+            counts = torch.tensor(self._counts, dtype=torch.float64, device=self.device)
+            if dist.is_initialized() and dist.get_world_size(self.group) > 1:
+                dist.all_reduce(counts, group=self.group)
+            n, n_bytes = counts.tolist()
+            out["bpb"] = self.bpb[step] = bits_per_byte(loss * n, n_bytes)
+        if self.cp > 1:
+            out["cp_work"] = self._work.tolist()
+            mean = self._work.mean()
+            out["cp_balance"] = float(self._work.max() / mean) if mean > 0 else 1.0
+            self._work[:] = 0
+        return out
+
+    def done_text(self) -> str:
+        """The ``done:`` line's bits per byte (first and last logged; the last held-out)."""
+        parts = []
+        if self.bpb:
+            first, last = self.bpb[min(self.bpb)], self.bpb[max(self.bpb)]
+            parts.append(f"; bits/byte {first:.3f} (first logged) -> {last:.3f} (last)")
+        if self.held_out:
+            step = max(self.held_out)
+            parts.append(f"; held-out {self.held_out[step]:.3f} bits/byte (step {step})")
+        return "".join(parts)
+
+
+def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
+    """One metrics.jsonl line and one console line for the trainer ``tr``
+    (:class:`cp_rope.launch.pretrain.Trainer`); all ranks call it: the throughput and the
+    bits per byte all-reduce, and a held-out evaluation (``tr.held_out``) runs when due."""
+    window = tr.throughput.window()
+    tps, world = window["tokens_per_s"], tr.dims.world_size
+    stats = tr.stats.fields(tr.step, loss) if tr.stats is not None else {}
+    metrics = {"loss": loss, **stats, "lr": lr, "grad_norm": grad_norm,
+               "tokens_per_s": tps, "tokens_per_s_per_gpu": window["tokens_per_s_per_gpu"],
+               "peak_mem_gib": peak_memory_gib(tr.device)}
+    if "mfu" in window:
+        metrics["mfu"] = window["mfu"]
+    if tr.held_out is not None and tr.held_out.due(tr.step):
+        t0 = time.perf_counter()
+        metrics.update(tr.held_out.evaluate(tr.model))
+        tr.throughput.exclude(time.perf_counter() - t0)
+        if tr.stats is not None and "eval_bpb" in metrics:
+            tr.stats.held_out[tr.step] = metrics["eval_bpb"]
+    tr.log.log(tr.step, metrics)
+    bpb = f" ({metrics['bpb']:.3f} bits/byte)" if "bpb" in metrics else ""
+    held = (f" | held-out loss {metrics['eval_loss']:.4f}"
+            + (f" ({metrics['eval_bpb']:.3f} bits/byte)" if "eval_bpb" in metrics else "")
+            if "eval_loss" in metrics else "")
+    tr.log.write(f"step {tr.step:>6}/{tr.cfg.train.steps} | loss {loss:.4f}{bpb}{held} | "
+                 f"lr {lr:.2e} | grad norm {grad_norm:.3f} | "
+                 f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{tr.device.type} | "
+                 + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
+                 + (f"cp balance {metrics['cp_balance']:.2f} | " if "cp_balance" in metrics else "")
+                 + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")
 
 
 def _lines_up_to(path: str, lines: list[str], step: int) -> list[str]:

@@ -56,13 +56,16 @@ from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
 from .cp_startup import cp_start_up
 from .config import ConfigError, PretrainConfig, to_dict, validate
-from .data import TokenDataset, build_loader, load_corpus, padded_vocab_size, placement_args
-from .metrics import MetricsLogger, Throughput, peak_memory_gib, peak_tflops
+from .data import TokenDataset, build_loader, padded_vocab_size, placement_args
+from .evaluate import HeldOut
+from .metrics import MetricsLogger, StepStats, Throughput, log_step, peak_memory_gib, peak_tflops
 from .model import Transformer, count_params
 from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lambda
 from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 from .plan_memory import auto_settings
+from .plot import write_report
 from .run_dir import prepare_out_dir
+from .tokenizer import prepare_corpora
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
            "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed"]
@@ -264,6 +267,9 @@ class Trainer:
     """Loss of each step of this invocation (1-based step numbers)."""
     interrupted: int = 0
     """The signal that stopped the loop, 0 if none."""
+    stats: StepStats | None = None
+    """Per-step bits-per-byte and CP-balance counts; ``held_out``: the evaluation, or None."""
+    held_out: HeldOut | None = None
 
     @property
     def ckpt_root(self) -> str:
@@ -302,7 +308,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     mesh = dims.build_mesh(device.type)
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
 
-    corpus = load_corpus(cfg.data, cfg.model.vocab_size)
+    corpus = (run_data := prepare_corpora(cfg, rank)).train  # tokenizer (BPE), held-out split
     cfg = _resolve(cfg, corpus.vocab_size)
     memory_note = None
     if cfg.model.memory == "auto":  # before the model exists: the choice shapes it
@@ -345,15 +351,16 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     if rank == 0:
         with open(os.path.join(cfg.train.out_dir, "config.json"), "w") as f:
             json.dump(to_dict(cfg), f, indent=2)
-    for path, reason in skipped:
-        log.write(f"skipped {path}: {reason}")
+    for line in run_data.notes + [f"skipped {path}: {reason}" for path, reason in skipped]:
+        log.write(line)
     if memory_note:
         log.write(memory_note)
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
               f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
-              f"tokens ({cfg.data.data or 'python stdlib'}), {len(dataset)} examples, "
+              f"tokens ({cfg.data.data or 'python stdlib'}; {run_data.tokenizer}), {len(dataset)} "
+              f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write)  # own RNG
@@ -361,9 +368,12 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
         torch.cuda.reset_peak_memory_stats(device)
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
                             peak_tflops=peak_tflops(device, cfg.train.peak_tflops), device=device)
+    group = flat_mesh(mesh).get_group()
     return Trainer(cfg=cfg, dims=dims, device=device, fsdp=fsdp, model=model,
-                   loss_group=flat_mesh(mesh).get_group(), optimizer=optimizer, scheduler=scheduler,
-                   batches=batches, log=log, throughput=throughput, step=step, start_step=step)
+                   loss_group=group, optimizer=optimizer, scheduler=scheduler,
+                   batches=batches, log=log, throughput=throughput, step=step, start_step=step,
+                   stats=StepStats(run_data.token_bytes, cp_size=dims.cp, group=group, device=device),
+                   held_out=HeldOut.build(cfg, run_data, mesh, group, device))
 
 
 def train_loop(tr: Trainer) -> None:
@@ -388,6 +398,7 @@ def train_loop(tr: Trainer) -> None:
             t0 = time.perf_counter()
             host_batch = next(tr.batches)
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
+            tr.stats.add(host_batch)  # labelled tokens, their bytes, the CP ranks' work
             batch = host_batch.to(device, non_blocking=True)
             tr.optimizer.zero_grad(set_to_none=True)
             loss = train_step(tr.model, batch, tr.loss_group, grad_scale=float(world) if tr.fsdp else 1.0,
@@ -405,30 +416,14 @@ def train_loop(tr: Trainer) -> None:
             tr.losses[tr.step] = loss_val
             tr.throughput.add_step(seq_lens, time.perf_counter() - t0)
             tr.log.advance(loss_val)
-            if tr.step % cfg.train.log_every == 0 or tr.step == last:
-                _log_step(tr, loss_val, lr, grad_norm)
+            if tr.step % cfg.train.log_every == 0 or tr.step == last or (
+                    tr.held_out is not None and tr.held_out.due(tr.step)):
+                log_step(tr, loss_val, lr, grad_norm)  # and the held-out evaluation when due
             if cfg.train.checkpoint_every and tr.step % cfg.train.checkpoint_every == 0 \
                     and tr.step < last:
                 save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,
                                 tr.batches.state_dict(), cfg.train.keep_checkpoints,
                                 run=run_identity(cfg, world))
-
-
-def _log_step(tr: Trainer, loss: float, lr: float, grad_norm: float) -> None:
-    """One metrics.jsonl line and one console line (all ranks call it: the throughput all-reduces)."""
-    window = tr.throughput.window()
-    tps, world = window["tokens_per_s"], tr.dims.world_size
-    metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens_per_s": tps,
-               "tokens_per_s_per_gpu": window["tokens_per_s_per_gpu"],
-               "peak_mem_gib": peak_memory_gib(tr.device)}
-    if "mfu" in window:
-        metrics["mfu"] = window["mfu"]
-    tr.log.log(tr.step, metrics)
-    tr.log.write(f"step {tr.step:>6}/{tr.cfg.train.steps} | loss {loss:.4f} | lr {lr:.2e} | "
-                 f"grad norm {grad_norm:.3f} | "
-                 f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{tr.device.type} | "
-                 + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")
-                 + f"peak mem {metrics['peak_mem_gib']:.2f} GiB")
 
 
 def summarize(tr: Trainer) -> dict:
@@ -455,10 +450,12 @@ def summarize(tr: Trainer) -> dict:
                      f"{sum(tail) / len(tail):.4f}); {tokens_per_s:,.0f} tokens/s "
                      f"({'1 step, set-up included; ' if only_first else ''}"
                      f"{tokens_per_s / tr.dims.world_size:,.0f} per rank), peak mem "
-                     f"{peak_memory_gib(tr.device):.2f} GiB")
+                     f"{peak_memory_gib(tr.device):.2f} GiB" + (tr.stats.done_text() if tr.stats else ""))
     elif not tr.interrupted and start >= cfg.train.steps:
         tr.log.write(f"done: nothing to train: resumed at step {start}, train.steps={cfg.train.steps} "
                      f"(pass a larger --steps to continue)")
+    if tr.log.enabled and (losses or start):  # rank 0: RUN_DIR/report.png (needs matplotlib)
+        write_report(cfg.train.out_dir, tr.log.write)
     tr.log.close()
     return summary
 

@@ -69,4 +69,5 @@ def tiny_pretrain_argv(*, seq_len: int = 128, tokens_per_batch: int = 512,
     return ["--dim", "32", "--n-layers", "2", "--n-heads", "2", "--n-kv-heads", "1",
             "--ffn-hidden-dim", "64", "--seq-len", str(seq_len),
             "--tokens-per-batch", str(tokens_per_batch), "--max-docs", str(max_docs),
-            "--warmup-steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard"]
+            "--warmup-steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard",
+            "--tokenizer", "bytes", "--eval-docs", "0"]  # BPE and held-out eval: test_results.py
