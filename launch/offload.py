@@ -266,6 +266,9 @@ def selective_context(offloader: ActivationOffloader | None = None):
     return _KeepAttention(kept, offloader), _ReplayAttention(kept, offloader)
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "layer_past", "cache")
+
+
 def wrap_layer(layer: nn.Module, index: int, mode: str,
                offloader: ActivationOffloader | None = None) -> None:
     """Make ``layer.forward`` run with checkpointing ``mode`` and ``offloader`` (in place).
@@ -273,7 +276,9 @@ def wrap_layer(layer: nn.Module, index: int, mode: str,
     Works for any layer (cp_rope's ``TransformerBlock``, transformers' decoder
     layers): ``forward`` is replaced on the instance, so parameter names and
     state dicts do not change; FSDP2's hooks, registered on the module, still
-    run around it. Checkpointing applies only while gradients are enabled.
+    run around it. Checkpointing applies only while gradients are enabled, and then
+    drops a KV cache passed to the layer (``use_cache=False``), as transformers'
+    own gradient checkpointing does.
 
     Raises: ValueError naming ``mode`` when it is not one of :data:`CHECKPOINT_MODES`.
     """
@@ -290,6 +295,10 @@ def wrap_layer(layer: nn.Module, index: int, mode: str,
             if mode == "none" or not torch.is_grad_enabled():
                 return inner(*args, **kwargs)
             extra = {"context_fn": context_fn} if context_fn is not None else {}
+            # a KV cache would be updated again by the recomputation (transformers does the same)
+            kwargs.update({k: None for k in _CACHE_KWARGS if kwargs.get(k) is not None})
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
             return checkpoint(inner, *args, use_reentrant=False, **extra, **kwargs)
 
     layer.forward = forward

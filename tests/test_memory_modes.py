@@ -185,3 +185,29 @@ def test_resume_bit_for_bit_with_offload_and_selective(tmp_path):
     for step in (3, 4):
         assert second["losses"][step] == full["losses"][step], step
     assert all(math.isfinite(v) for v in full["losses"].values())
+
+
+@pytest.mark.parametrize("mode,offload", [("full", True), ("selective", False)])
+def test_transformers_decoder_layers_give_the_same_gradients(mode, offload):
+    """wrap_layer on a transformers Qwen3 model's decoder layers (keyword arguments, position
+    embeddings, float64): gradients == no checkpointing, bit for bit."""
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, num_hidden_layers=2,
+                                   vocab_size=61, attn_implementation="eager")
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).double()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double()
+    model.load_state_dict(ref.state_dict())
+    off = ActivationOffloader(min_bytes=0) if offload else None
+    for i, layer in enumerate(model.model.layers):
+        wrap_layer(layer, i, mode, off)
+    ids = torch.randint(0, 61, (1, 23))
+
+    def loss(m):
+        return m(input_ids=ids).logits.log_softmax(-1).square().mean()
+
+    expected, got = _grads(ref, loss), _grads(model, loss)
+    for name, g in expected.items():
+        assert torch.equal(got[name], g), f"{mode}: {name}"

@@ -1,0 +1,292 @@
+#!/usr/bin/env python3
+"""Peak memory and tokens/s of real training steps per memory setting and length (one GPU),
+against the planner's prediction (issue 21).
+
+    python scripts/bench_memory.py --out /tmp/mem.json            # every config, ~6 min on an H200
+    python scripts/bench_memory.py --only hf --budget-s 200
+
+Two models, each in its own child process (one CUDA context, the configs in turn,
+each one a fresh trainer: ``cp_rope.launch.finetune_hf.main`` /
+``cp_rope.launch.pretrain.main`` with ``--stop-at-step``, no checkpoint):
+
+* ``hf``: a transformers Qwen3-shaped model (hidden 1024, 8 layers, 16/8 heads,
+  head_dim 128, SwiGLU 3072, vocabulary 151,936, tied embeddings; random init
+  from a config written here), on packed documents of 512-16,384 bytes (stdlib
+  text, log-uniform lengths, seed 0) at 32K ... 1M tokens per step;
+* ``1b``: ``--preset 1b`` (byte vocabulary), one sequence per step (``--seq-mode concat``).
+
+A config that runs out of memory (or past its share of ``--budget-s``) is a
+result ("OOM" / "timeout"), not a failure. Each result: peak allocated GiB
+(``torch.cuda.max_memory_allocated`` over the run), tokens/s and MFU of the
+steps after the first, the planner's predicted peak
+(:func:`cp_rope.launch.plan_memory.estimate`) and the ratio. ``--print-plans``
+adds the planner's answers for 1,048,576 tokens (cp 1 and per rank at cp 8) for
+the 1b preset and a Llama-3-8B shape on 141 GB GPUs. Prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import random
+import signal
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+
+TILE = 16384
+QWEN = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=1024,
+            num_hidden_layers=8, num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+            intermediate_size=3072, vocab_size=151936, tie_word_embeddings=True,
+            max_position_embeddings=1 << 21, rope_theta=1e6, rms_norm_eps=1e-6,
+            hidden_act="silu", torch_dtype="bfloat16")
+
+# (group, tokens per step, memory flags, steps, what it is for, seconds it needs on an H200)
+CONFIGS = [
+    ("hf", 32768, [], 4, "throughput without checkpointing (target >= 111K tok/s)", 10),
+    ("hf", 262144, ["--activation-checkpointing", "selective", "--offload-activations",
+                    "--mlp-tile-tokens", str(TILE)], 3, "target <= 25 GiB at >= 100K tok/s", 15),
+    ("hf", 262144, ["--activation-checkpointing", "selective", "--mlp-tile-tokens", str(TILE)], 3,
+     "no offload", 15),
+    ("hf", 1048576, ["--activation-checkpointing", "full", "--offload-activations",
+                     "--mlp-tile-tokens", str(TILE)], 2, "target: a step at 1M tokens", 40),
+    ("1b", 65536, [], 3, "defaults (target MFU >= 41%)", 15),
+    ("1b", 131072, ["--activation-checkpointing", "selective", "--offload-activations",
+                    "--mlp-tile-tokens", str(TILE)], 2, "planner check", 35),
+    ("1b", 262144, ["--activation-checkpointing", "selective", "--offload-activations",
+                    "--mlp-tile-tokens", str(TILE)], 2, "target <= 40 GiB at MFU >= 36%", 95),
+    ("1b", 524288, ["--activation-checkpointing", "selective", "--offload-activations",
+                    "--mlp-tile-tokens", str(TILE)], 2, "target: >= 2 steps", 340),
+]
+
+if os.environ.get("BENCH_MEMORY_SMOKE") == "1":  # a CPU check of the plumbing: tiny shapes
+    QWEN.update(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                head_dim=16, intermediate_size=96, vocab_size=512)
+    CONFIGS = [(g, 8192 if g == "hf" else 2048, [x.replace(str(TILE), "512") for x in f], 2, w, 1)
+               for g, _, f, _, w, _ in CONFIGS[:2] + CONFIGS[4:6]]
+
+
+def _settings(flags: list[str]):
+    from cp_rope.launch.plan_memory import Settings
+
+    def val(name, default):
+        return flags[flags.index(name) + 1] if name in flags else default
+
+    return Settings(activation_checkpointing=val("--activation-checkpointing", "none"),
+                    offload_activations="--offload-activations" in flags,
+                    mlp_tile_tokens=int(val("--mlp-tile-tokens", 0)),
+                    fused_loss="--no-fused-loss" not in flags)
+
+
+def _optional_flags() -> list[str]:
+    """Switch off start-up work this bench does not measure, where the trainer has the flag."""
+    from cp_rope.launch import config as C
+
+    fields = {f.name: f for sec in (C.DataConfig, C.TrainConfig, C.ParallelConfig)
+              for f in dataclasses.fields(sec)}
+    names = set(fields)
+    out = []
+    if "bpe_vocab_size" in names:
+        out += ["--tokenizer", "bytes"]
+    if "eval_docs" in names:
+        out += ["--eval-docs", "0"]
+    if "cp_self_test" in names:
+        bool_flag = isinstance(fields["cp_self_test"].default, bool)
+        out += ["--no-cp-self-test"] if bool_flag else ["--cp-self-test", "off"]
+    return out
+
+
+def _corpus(path: str, n_tokens: int) -> None:
+    """JSONL of stdlib text cut into documents of 512-16,384 bytes (log-uniform, seed 0)."""
+    rng, text, docs, total = random.Random(0), [], [], 0
+    lib = sysconfig.get_paths()["stdlib"]
+    for root, _, files in sorted(os.walk(lib)):
+        for f in sorted(files):
+            if f.endswith(".py") and total < n_tokens * 1.3:
+                try:
+                    s = open(os.path.join(root, f), encoding="utf-8").read()
+                except (UnicodeDecodeError, OSError):
+                    continue
+                text.append(s)
+                total += len(s.encode())
+    blob, i = "".join(text), 0
+    while i < len(blob):
+        n = int(math.exp(rng.uniform(math.log(512), math.log(16384)))) - 2
+        docs.append(blob[i:i + n])
+        i += n
+    with open(path, "w") as f:
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
+
+
+def _argv(group: str, tokens: int, flags: list[str], steps: int, work: str) -> list[str]:
+    common = ["--steps", "100", "--stop-at-step", str(steps), "--log-every", "1",
+              "--no-save-final", "--no-save-on-signal", "--no-progress", "--no-tensorboard",
+              "--warmup-steps", "10", "--tokens-per-batch", str(tokens),
+              "--out-dir", f"{work}/run_{group}_{tokens}_{abs(hash(tuple(flags))) % 10**6}",
+              "--overwrite"] + _optional_flags()
+    if group == "hf":
+        return ["--model", f"{work}/qwen3", "--data", f"{work}/docs.jsonl",
+                "--seq-len", str(min(16384, tokens)),
+                *common, *flags]
+    model = ["--preset", "1b"] if os.environ.get("BENCH_MEMORY_SMOKE") != "1" else \
+        ["--dim", "64", "--n-layers", "2", "--max-docs", "200"]
+    return [*model, "--seq-mode", "concat", "--seq-len", str(tokens), *common, *flags]
+
+
+def _read_metrics(out_dir: str) -> dict:
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f if line.strip()]
+    rows = [r for r in rows if "tokens_per_s" in r]
+    timed = [r for r in rows if r["step"] >= 2] or rows
+    out = {"steps": len(rows), "peak_gib": max(r["peak_mem_gib"] for r in rows),
+           "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed)}
+    if all("mfu" in r for r in timed):
+        out["mfu"] = sum(r["mfu"] for r in timed) / len(timed)
+    return out
+
+
+class _Timeout(Exception):
+    pass
+
+
+def _child(group: str, work: str, results: str, deadline: float) -> None:
+    import torch
+
+    from cp_rope.launch import finetune_hf, pretrain
+
+    def alarm(*_):
+        raise _Timeout
+
+    signal.signal(signal.SIGALRM, alarm)
+    for g, tokens, flags, steps, why, need_s in CONFIGS:
+        if g != group:
+            continue
+        left = deadline - time.time()
+        row = {"group": g, "tokens": tokens, "flags": " ".join(flags) or "(defaults)", "why": why}
+        if left < need_s:
+            row["result"] = f"skipped (budget: {left:.0f} s left, needs ~{need_s} s)"
+        else:
+            argv = _argv(g, tokens, flags, steps, work)
+            out_dir = argv[argv.index("--out-dir") + 1]
+            gc.collect()
+            torch.cuda.empty_cache()
+            t0 = time.time()
+            signal.alarm(int(left))
+            try:
+                (finetune_hf.main if g == "hf" else pretrain.main)(argv)
+                row.update(_read_metrics(out_dir), result="ok")
+            except torch.OutOfMemoryError as exc:
+                row["result"] = "OOM: " + str(exc).split("\n")[0][:160]
+            except _Timeout:
+                row["result"] = f"timeout after {time.time() - t0:.0f} s"
+                if os.path.exists(os.path.join(out_dir, "metrics.jsonl")):
+                    row.update(_read_metrics(out_dir))
+            except (Exception, SystemExit) as exc:  # a result too: the next config runs
+                row["result"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                signal.alarm(0)
+            row["wall_s"] = round(time.time() - t0, 1)
+        with open(results, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(json.dumps(row), flush=True)
+
+
+def _predict(rows: list[dict], work: str) -> None:
+    from cp_rope.launch.config import preset
+    from cp_rope.launch.plan_memory import GIB, Shapes, estimate
+
+    shapes = {"hf": Shapes.from_hf_dir(f"{work}/qwen3"),
+              "1b": Shapes.from_model_config(preset("1b").model)}
+    for r in rows:
+        flags = [] if r["flags"] == "(defaults)" else r["flags"].split()
+        est = estimate(shapes[r["group"]], _settings(flags), tokens=r["tokens"],
+                       doc_len=16384 if r["group"] == "hf" else r["tokens"])
+        r["predicted_gib"] = est["total"] / GIB
+        if "peak_gib" in r:
+            r["predicted_over_measured"] = r["predicted_gib"] / r["peak_gib"]
+
+
+def _fmt(r: dict, k: str, fmt: str) -> str:
+    return format(r[k], fmt) if k in r else "-"
+
+
+def _table(rows: list[dict]) -> str:
+    lines = ["| model | tokens/step | settings | result | peak GiB | predicted GiB | pred/meas "
+             "| tokens/s | MFU |", "|" + " --- |" * 9]
+    for r in rows:
+        def f(k, fmt, r=r):
+            return _fmt(r, k, fmt)
+        lines.append(f"| {r['group']} | {r['tokens']:,} | {r['flags']} | {r['result']} | "
+                     f"{f('peak_gib', '.1f')} | {f('predicted_gib', '.1f')} | "
+                     f"{f('predicted_over_measured', '.3f')} | {f('tokens_per_s', ',.0f')} | "
+                     + (f"{100 * r['mfu']:.1f}%" if "mfu" in r else "-") + " |")
+    return "\n".join(lines)
+
+
+def _plans() -> None:
+    from cp_rope.launch import plan_memory
+
+    for args in (["--preset", "1b"], ["--preset", "8b", "--vocab-size", "128256"]):
+        for cp in ("1", "8"):
+            plan_memory.main([*args, "--seq-len", "1048576", "--cp-size", cp,
+                              "--gpu-memory-gib", str(141e9 / 2**30)])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", choices=("hf", "1b"), help="one model only")
+    p.add_argument("--budget-s", type=float, default=420.0,
+                   help="wall seconds for all configs (default 420); the rest are skipped")
+    p.add_argument("--out", default=None, help="write the rows as JSON here")
+    p.add_argument("--print-plans", action="store_true")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--work", help=argparse.SUPPRESS)
+    p.add_argument("--results", help=argparse.SUPPRESS)
+    p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.child:
+        _child(a.child, a.work, a.results, a.deadline)
+        return
+    t0 = time.time()
+    work = tempfile.mkdtemp(prefix="bench_memory_")
+    os.makedirs(f"{work}/qwen3")
+    with open(f"{work}/qwen3/config.json", "w") as f:
+        json.dump(QWEN, f)
+    groups = [a.only] if a.only else ["hf", "1b"]
+    if "hf" in groups:
+        _corpus(f"{work}/docs.jsonl", 4 * 1048576)
+    results = f"{work}/results.jsonl"
+    weight = {"hf": 0.35, "1b": 0.65} if len(groups) == 2 else {groups[0]: 1.0}
+    for g in groups:
+        left = a.budget_s - (time.time() - t0)
+        share = left if g == groups[-1] else weight[g] * a.budget_s
+        deadline = time.time() + share
+        cmd = [sys.executable, __file__, "--child", g, "--work", work, "--results", results,
+               "--deadline", str(deadline)]
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+                   PYTHONUNBUFFERED="1")
+        try:
+            subprocess.run(cmd, env=env, timeout=share + 30, check=False)
+        except subprocess.TimeoutExpired:
+            print(f"{g}: child killed after {share + 30:.0f} s", flush=True)
+    rows = []
+    if os.path.exists(results):
+        with open(results) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    _predict(rows, work)
+    print(_table(rows))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(rows, f, indent=1)
+    if a.print_plans:
+        _plans()
+
+
+if __name__ == "__main__":
+    main()
