@@ -81,7 +81,7 @@ def choose_strategy(info: LayoutInfo) -> Strategy:
     cannot honour (e.g. a ``ulysses_size`` that does not divide the heads or cp_size; a
     placement no batch layout allows).
     """
-    from .calibrate import active_calibration
+    from ._calibration import active_calibration
     from .cost_model import choose
     from .placement import default_split_threshold
 

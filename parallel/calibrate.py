@@ -22,175 +22,26 @@ at ``internode_gbps`` (per GPU).
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
-import math
 import os
 import time
 
-import numpy as np
 import torch
 
-__all__ = ["Calibration", "CalibrationError", "active_calibration", "default_calibration",
-           "load_calibration", "measure", "save_calibration", "use_calibration"]
+from ._calibration import (
+    FORMAT,
+    Calibration,
+    CalibrationError,
+    _device_name,
+    active_calibration,
+    default_calibration,
+    load_calibration,
+    save_calibration,
+    use_calibration,
+)
 
-FORMAT = 1
-
-
-class CalibrationError(ValueError):
-    """A calibration file that cannot be used (unreadable, malformed, another machine)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Calibration:
-    """The cost model's constants (see the module docstring for units)."""
-
-    device_name: str
-    torch_version: str
-    block_keys: tuple[float, ...]
-    tflops: dict  # backend -> tuple of TFLOP/s at block_keys
-    call_us: float
-    merge_bytes_per_row: float
-    hbm_gbps: float
-    p2p_gbps: float
-    a2a_gbps: float
-    collective_gbps: float
-    latency_us: float
-    seg_ns: float = 0.0
-    tile: int = 128
-    node_size: int = 8
-    internode_gbps: float = 50.0
-    source: str = ""
-
-    def tflops_at(self, backend: str, keys: np.ndarray) -> np.ndarray:
-        """TFLOP/s of ``backend`` at ``keys`` per query row (log-linear interpolation, clamped
-        at the table's ends; an unknown backend uses ``cudnn``'s table, else the first)."""
-        table = (self.tflops.get(backend) or self.tflops.get("cudnn")
-                 or next(iter(self.tflops.values())))
-        x = np.log(np.asarray(self.block_keys, dtype=np.float64))
-        return np.interp(np.log(np.maximum(keys, 1e-9)), x, np.asarray(table, dtype=np.float64))
-
-    def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["format"] = FORMAT
-        d["block_keys"] = list(self.block_keys)
-        d["tflops"] = {k: list(v) for k, v in self.tflops.items()}
-        return d
-
-
-def _table(peak: float, half: float, keys) -> tuple[float, ...]:
-    """``peak x s / (s + half)`` at each ``s`` (TFLOP/s), rounded to 0.1."""
-    return tuple(round(peak * s / (s + half), 1) for s in keys)
-
-
-# H200 constants, fitted by scripts/validate_cost_model.py --fit to the one-H200 rows (cp 1
-# and --simulate-cp) and the two-H200 cp 2 rows of docs/benchmarks.md (torch 2.11, cuDNN
-# frontend 1.32): TFLOP/s at 16 / 128 / 1024 / 8192 / 65536 keys per query row.
-_H200 = dict(
-    block_keys=(16.0, 128.0, 1024.0, 8192.0, 65536.0),
-    tflops={"cudnn": (243.7, 203.4, 503.6, 503.6, 546.3),
-            "torch_flash": (31.3, 150.1, 285.2, 321.4, 326.6)},
-    call_us=855.3, merge_bytes_per_row=41.27, hbm_gbps=4000.0, p2p_gbps=221.9, a2a_gbps=154.5,
-    collective_gbps=88.1, latency_us=0.0, seg_ns=3.21, tile=128)
-
-
-def default_calibration(device_name: str | None = None) -> Calibration:
-    """The shipped constants: H200 numbers from ``docs/benchmarks.md`` (used for any device
-    without a calibration file; ``source`` says so)."""
-    name = device_name or "NVIDIA H200"
-    src = "shipped H200 defaults (docs/benchmarks.md)"
-    if "H200" not in name:
-        src += f"; not calibrated for {name!r}: run python -m cp_rope.parallel.calibrate"
-    return Calibration(device_name=name, torch_version=torch.__version__, source=src, **_H200)
-
-
-_ACTIVE: dict = {}
-
-
-def use_calibration(cal: Calibration | None) -> None:
-    """Make ``cal`` the constants of ``method="auto"`` / ``placement="auto"`` in this process
-    (None: the shipped defaults). The trainers call it with ``--cp-calibration``'s file."""
-    if cal is not None and not isinstance(cal, Calibration):
-        raise TypeError(f"cal must be a Calibration or None, got {type(cal).__name__}")
-    _ACTIVE["cal"] = cal
-
-
-def active_calibration() -> Calibration:
-    """The constants set by :func:`use_calibration`, else :func:`default_calibration`."""
-    return _ACTIVE.get("cal") or default_calibration()
-
-
-def _device_name(device: torch.device | str | None) -> str:
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return "cpu"
-
-
-def save_calibration(cal: Calibration, path: str) -> None:
-    """Write ``cal`` as JSON to ``path``."""
-    with open(path, "w") as f:
-        json.dump(cal.to_dict(), f, indent=1)
-
-
-def load_calibration(path: str, device: torch.device | str | None = None, *,
-                     check_machine: bool = True) -> Calibration:
-    """Read a calibration JSON written by :func:`save_calibration` / ``python -m
-    cp_rope.parallel.calibrate``.
-
-    Args:
-        path: the file.
-        device: the device the run uses (default: the current CUDA device, else cpu); its
-            name must be the file's ``device_name``.
-        check_machine: also require the file's torch version to be this process's.
-
-    Raises: CalibrationError (a ValueError) naming ``path``: unreadable, not JSON, another
-    format, missing or invalid fields (non-positive or non-finite numbers, tables of the
-    wrong length), or measured on another device / torch version.
-    """
-    try:
-        with open(path) as f:
-            raw = json.load(f)
-    except (OSError, ValueError) as exc:
-        raise CalibrationError(f"calibration file {path!r}: cannot read it ({exc})") from exc
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
-        raise CalibrationError(f"calibration file {path!r}: not a cp_rope calibration (format "
-                               f"{FORMAT}); write one with python -m cp_rope.parallel.calibrate")
-    fields = [f.name for f in dataclasses.fields(Calibration)]
-    missing = [k for k in fields if k not in raw and k != "source"]
-    for key in ("tile", "node_size"):
-        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1):
-            missing.append(f"{key} (an int >= 1)")
-    if missing:
-        raise CalibrationError(f"calibration file {path!r}: missing {', '.join(missing)}")
-    try:
-        keys = tuple(float(x) for x in raw["block_keys"])
-        tflops = {str(k): tuple(float(x) for x in v) for k, v in raw["tflops"].items()}
-        nums = {k: float(raw[k]) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
-                                            "p2p_gbps", "a2a_gbps", "collective_gbps",
-                                            "latency_us", "seg_ns", "internode_gbps")}
-        tile, node_size = int(raw["tile"]), int(raw["node_size"])
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
-    bad = [k for k, v in nums.items() if not math.isfinite(v) or v < 0
-           or (v == 0 and k.endswith("gbps"))]
-    bad += [f"tflops[{k}]" for k, v in tflops.items()
-            if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
-    if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or not tflops:
-        bad.append("block_keys / tflops['cudnn']")
-    if bad:
-        raise CalibrationError(f"calibration file {path!r}: invalid {', '.join(bad)}")
-    if check_machine:
-        here = _device_name(device)
-        if raw["device_name"] != here or raw["torch_version"] != torch.__version__:
-            raise CalibrationError(
-                f"calibration file {path!r}: measured on {raw['device_name']!r} with torch "
-                f"{raw['torch_version']}, this run uses {here!r} with torch {torch.__version__}; "
-                f"calibrate here (python -m cp_rope.parallel.calibrate --out {path})")
-    return Calibration(device_name=str(raw["device_name"]), torch_version=str(raw["torch_version"]),
-                       block_keys=keys, tflops=tflops, tile=tile, node_size=node_size,
-                       source=f"file {path}", **nums)
+__all__ = ["FORMAT", "Calibration", "CalibrationError", "active_calibration",
+           "default_calibration", "load_calibration", "measure", "save_calibration",
+           "use_calibration"]
 
 
 # ------------------------------------------------------------------ measurement

@@ -48,7 +48,7 @@ import torch
 
 from cp_rope.validation import check_cp_args, check_int
 
-from .calibrate import Calibration, default_calibration
+from ._calibration import Calibration, default_calibration
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
 

@@ -1,11 +1,14 @@
-"""A 40-line tour of the library on CPU: pack, shard, RoPE, CP attention, gather.
+"""A 50-line tour of the library on CPU: self-test, pack, shard, RoPE, CP attention, gather.
 
     torchrun --standalone --nproc-per-node 2 scripts/demo_cp.py
 
 Every rank packs the same documents, keeps its zigzag shard (PackingCollator
 with cp_rank), applies RoPE at its CP positions, runs ring CP attention over
 the process group, and the gathered result is compared with single-process
-attention of the whole batch (float32: they agree to rounding, ~1e-6).
+attention of the whole batch (float32: they agree to rounding, ~1e-6). First,
+``cp_rope.parallel.self_test`` checks the configured setting (RoPE + ring attention + the
+CP loss, forward and backward, on edge documents) against the unsharded computation in a
+fraction of a second, as the trainers do at start-up (``--cp-self-test``).
 """
 
 import datetime
@@ -15,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 import cp_rope
-from cp_rope.parallel import PackingCollator, context_parallel_attention, unshard
+from cp_rope.parallel import PackingCollator, context_parallel_attention, self_test, unshard
 
 if "RANK" not in os.environ:
     raise SystemExit("run it under torchrun: torchrun --standalone --nproc-per-node 2 scripts/demo_cp.py")
@@ -26,6 +29,11 @@ docs = [{"input_ids": torch.randint(0, 100, (n,))} for n in (37, 1, 120, 64)]
 Hq, Hkv, D = 4, 2, 32
 wq, wk, wv = torch.randn(3, 100, Hq * D, ).unbind(0)
 cos, sin = cp_rope.rope_cache(1024, D)
+check = self_test(dist.group.WORLD, method="ring", placement="zigzag", q_heads=Hq, kv_heads=Hkv,
+                  head_dim=D, dtype=torch.float32)  # raises on every rank if anything differs
+if r == 0:
+    print(f"self-test passed in {check.seconds:.2f} s (documents {list(check.lengths)}, largest "
+          f"relative difference {max(check.errors.values()):.1e})")
 
 
 def attention(batch, cp_size, cp_rank, group):

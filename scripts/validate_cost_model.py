@@ -31,7 +31,7 @@ import sys
 import numpy as np
 import torch
 
-from cp_rope.parallel import calibrate as calib
+from cp_rope.parallel import _calibration as calib
 from cp_rope.parallel.cost_model import Setting, choose, predict
 from cp_rope.parallel.placement import default_split_threshold
 
@@ -169,11 +169,36 @@ def picks(cal) -> str:
                        calibration=free_links(cal))
             meas = {s: ms for (ly, c, s), ms in measured.items() if ly == lay and c == C}
             best = min(meas.items(), key=lambda kv: kv[1]) if meas else None
-            got = meas.get(f.setting)
+            got = next((ms for st, ms in meas.items() if _same(lay, f.setting, st)), None)
             ratio = f"{got / best[1]:.3f}" if (best and got) else "not measured"
             lines.append(f"| {lay} | {C} | {a.setting} | {a.ms:.2f} | {f.setting} | {f.ms:.2f} | "
                          + (f"{best[0]} {best[1]:.2f}" if best else "-") + " | "
                          + (f"{got:.2f}" if got else "-") + f" | {ratio} |")
+    return "\n".join(lines)
+
+
+def _same(lay, a: Setting, b: Setting) -> bool:
+    """Equal settings, per-document thresholds compared by the documents they split."""
+    if (a.placement, a.method, a.ulysses_size) != (b.placement, b.method, b.ulysses_size):
+        return False
+    if a.placement == "zigzag":
+        return True
+    lens = np.array(lengths(lay))
+    return bool(((lens > a.split_threshold) == (lens > b.split_threshold)).all())
+
+
+def cp2_picks(cal) -> str:
+    """Auto's pick at cp 2 (H200 links) against the four measured two-H200 settings."""
+    lines = ["| layout | auto picks | pred. ms | measured: auto's pick | best measured | "
+             "auto / best |", "| --- | --- | --- | --- | --- | --- |"]
+    for lay in LAYOUTS:
+        a = choose(cu(lay), cp_size=2, q_heads=HQ, kv_heads=HKV, head_dim=D, calibration=cal)
+        meas = [(r[3], r[5]) for r in ROWS if r[0] == "cp2" and r[1] == lay and r[4] == "cudnn"]
+        best = min(meas, key=lambda x: x[1])
+        got = next((ms for s, ms in meas if _same(lay, a.setting, s)), None)
+        lines.append(f"| {lay} | {a.setting} | {a.ms:.2f} | "
+                     + (f"{got:.2f}" if got else "not measured") + f" | {best[0]} {best[1]:.2f} | "
+                     + (f"{got / best[1]:.3f}" if got else "-") + " |")
     return "\n".join(lines)
 
 
@@ -193,6 +218,8 @@ def main() -> int:
         print(f"{kind}: max |error| {100 * mx:.1f}%, mean {100 * mean:.1f}%")
     print()
     print(picks(cal))
+    print()
+    print(cp2_picks(cal))
     if args.fit:
         print("cudnn table:", cal.tflops["cudnn"])
     return 0
