@@ -107,9 +107,11 @@ def attention_plan(
         kw = _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens,
                              device, placement, split_threshold)
         laid = kw.pop("laid")
+        layout = kw.pop("layout")  # host cu_seqlens, read only for the chooser
         if AUTO in (method, placement):
+            global_cu, local_cu = layout()
             info = LayoutInfo(
-                global_cu_seqlens=kw.pop("global_cu"), local_cu_seqlens=kw.pop("local_cu"),
+                global_cu_seqlens=global_cu, local_cu_seqlens=local_cu,
                 placement_fixed=laid, cp_size=size, q_heads=q_heads, kv_heads=kv_heads,
                 head_dim=head_dim, dtype=dtype, device=torch.device(kw["device"]),
                 causal=causal, method=method, placement=placement,
@@ -120,8 +122,6 @@ def attention_plan(
                                  f"rows in hand are laid out {laid!r} (placement is chosen "
                                  "before sharding, by the collator)")
             method, ulysses_size = choice.method, choice.ulysses_size
-        kw.pop("global_cu", None)
-        kw.pop("local_cu", None)
     except (TypeError, ValueError) as exc:
         error = exc
     if error is not None:
@@ -180,14 +180,15 @@ def _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens, 
             raise ValueError(f"split_threshold={split_threshold}: the batch was placed with "
                              f"{placed.split_threshold}")
         return {"laid": laid, "placement": placed, "n_tokens": n_tokens, "device": device,
-                "seq_lens": seq_lens, "global_cu": torch.from_numpy(placed.cu_seqlens),
-                "local_cu": placed.local_cu_seqlens(rank)}
+                "seq_lens": seq_lens,
+                "layout": lambda: (torch.from_numpy(placed.cu_seqlens),
+                                   placed.local_cu_seqlens(rank))}
     if split_threshold is not None:
         raise ValueError(f"split_threshold={split_threshold} is only used with per-document "
                          "placement; this batch is zigzag")
     return {"laid": laid, "cu_seqlens": cu, "max_seqlen": max_seqlen, "n_tokens": n_tokens,
             "device": device, "seq_lens": seq_lens,
-            "global_cu": cu.detach().to("cpu", torch.int64) * size, "local_cu": cu}
+            "layout": lambda: (cu.detach().to("cpu", torch.int64) * size, cu.detach().cpu())}
 
 
 def context_parallel_attention(

@@ -28,6 +28,7 @@ BACKEND_CHOICES = (AUTO, *BACKENDS)
 PLACEMENTS = ("zigzag", "per_document")
 """Where documents go (:mod:`cp_rope.parallel.placement`)."""
 
-Method = Literal["ring", "allgather", "ulysses", "hybrid"]
-Backend = Literal["auto", "cudnn", "flash_attn", "torch_cudnn", "torch_flash", "reference"]
-PlacementName = Literal["zigzag", "per_document"]
+# Literal of a tuple is the Literal of its items (what tyro and type checkers read)
+Method = Literal[METHODS]
+Backend = Literal[BACKEND_CHOICES]
+PlacementName = Literal[PLACEMENTS]

@@ -60,7 +60,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from typing import Literal
 
 import numpy as np
 import torch
@@ -76,6 +75,7 @@ from cp_rope.validation import (
 )
 
 from ._agree import agree_across_ranks
+from .choices import PLACEMENTS, PlacementName
 
 __all__ = [
     "PLACEMENTS",
@@ -88,8 +88,7 @@ __all__ = [
     "unshard_placed",
 ]
 
-Placement = Literal["zigzag", "per_document"]
-PLACEMENTS = ("zigzag", "per_document")
+Placement = PlacementName
 
 # Rows of one flash-attention tile; a zigzag chunk should fill several of them.
 _TILE_ROWS = 128
