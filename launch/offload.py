@@ -224,7 +224,6 @@ class _KeepAttention(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if is_attention_op(func):
-            # a copy: CP merging updates the first block's output in place later
             self.kept.append((func, tree_map(self._keep, out)))
         return out
 
@@ -232,11 +231,12 @@ class _KeepAttention(TorchDispatchMode):
     def _keep(self, t):
         if not isinstance(t, torch.Tensor):
             return t
+        # a private copy, made now on the compute stream: CP merging updates the first block's
+        # output in place later, possibly before a side-stream copy to the host has read it
+        t = t.detach().clone()
         if self.offloader is not None:
-            h = self.offloader.pack(t.detach())  # the host copy is taken now
-            if isinstance(h, _Handle):
-                return h
-        return t.detach().clone()
+            return self.offloader.pack(t)  # a handle, or t itself when it stays on the device
+        return t
 
 
 class _ReplayAttention(TorchDispatchMode):
