@@ -63,3 +63,12 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
     log(f"cp self-test: passed in {time.perf_counter() - t0:.2f} s ("
         + ", ".join(m for m, _ in methods) + f", {p.cp_placement}, cp {cp_size}, "
         f"{str(dtype).removeprefix('torch.')}; largest relative difference {worst:.1e})")
+
+
+def auto_choice_line(step: int) -> str | None:
+    """The step log's line for ``--cp-method auto``: what the cost model picked for the latest
+    batch (and the runners-up with their predicted times), or None before any pick."""
+    from cp_rope.parallel._choose import last_choice
+
+    choice = last_choice()
+    return None if choice is None else f"step {step} cp {choice.summary()}"
