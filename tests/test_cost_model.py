@@ -137,3 +137,16 @@ def test_auto_float64_parity_for_each_method(world):
         _parity_body(0, 1)
     else:
         run_distributed(_parity_body, world)
+
+
+def test_trainer_refuses_a_foreign_calibration_file_naming_it(tmp_path):
+    from cp_rope.launch.cli import parse_args
+    from cp_rope.launch.config import ConfigError
+    from cp_rope.launch.cp_startup import cp_start_up
+
+    path = str(tmp_path / "h100.json")
+    calib.save_calibration(calib.default_calibration("NVIDIA H100"), path)
+    cfg = parse_args(["--cp-calibration", path, "--cp-self-test", "off"])
+    assert cfg.parallel.cp_calibration == path and cfg.parallel.cp_self_test == "off"
+    with pytest.raises(ConfigError, match=r"parallel\.cp_calibration.*h100\.json.*NVIDIA H100"):
+        cp_start_up(cfg, None, 1, torch.device("cpu"), torch.float32, print)
