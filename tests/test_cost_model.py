@@ -19,9 +19,9 @@ from dist_utils import run_distributed  # noqa: E402
 from cp_rope.parallel import calibrate as calib  # noqa: E402
 from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
 from cp_rope.parallel._choose import last_choice  # noqa: E402
+from cp_rope.parallel._self_test import _reference_attention  # noqa: E402
 from cp_rope.parallel.attention import attention_plan  # noqa: E402
 from cp_rope.parallel.cost_model import Setting, choose, predict  # noqa: E402
-from cp_rope.parallel._self_test import _reference_attention  # noqa: E402
 
 H = dict(q_heads=32, kv_heads=8, head_dim=128)
 
