@@ -20,9 +20,8 @@ cp; every rank of a CP group reads the same global batch and keeps its zigzag
 shard; the loss is the mean over every real token of the job
 (:func:`cp_rope.parallel.cp_cross_entropy` of the logits, computed in the model's forward
 without materialising them by :func:`cp_rope.parallel.cp_linear_cross_entropy`) and
-gradients are summed over all
-ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh on GPU (bf16
-params, fp32 reduction), one all-reduce of the flat gradient on CPU
+gradients are summed over all ranks: FSDP2 ``fully_shard`` over the flattened dp-cp mesh
+on GPU (bf16 params, fp32 reduction), one all-reduce of the flat gradient on CPU
 (``--fsdp on`` uses FSDP2 on CPU too).
 ``python -m cp_rope.launch.pretrain --help`` lists every flag.
 
@@ -94,8 +93,7 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    # the loss inside the model's forward (its head: fused with the output projection unless
-    # --no-fused-loss), where FSDP2 holds the output weight unsharded
+    # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there)
     loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, placement=batch.placement,
                  position_ids=batch.position_ids,
                  labels=batch.labels, loss_group=loss_group)
