@@ -166,6 +166,25 @@ def auto_chunk_size(vocab_size: int) -> int:
     return min(65536, max(256, AUTO_CHUNK_ELEMENTS // max(int(vocab_size), 1) // 256 * 256))
 
 
+_ADDMM_OUT_DTYPE = [True]  # CUDA addmm(..., out_dtype=float32) usable (torch >= 2.8); else False
+
+
+def _accumulate(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in at least float32: one addmm when dtypes agree; for
+    bf16/fp16 operands on CUDA, cuBLAS's bf16 x bf16 -> fp32 addmm (no ``[V, d]`` temporary;
+    Liger-Kernel's path); elsewhere the product in the operands' dtype, added in float32."""
+    if acc.dtype == a.dtype:
+        acc.addmm_(a, b)
+        return
+    if acc.is_cuda and _ADDMM_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (TypeError, RuntimeError, NotImplementedError):  # older torch or device
+            _ADDMM_OUT_DTYPE[0] = False
+    acc += (a @ b).to(acc.dtype)
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     """Forward: the group mean of the CE of ``hidden @ weight.T`` and, chunk by chunk, its
     gradients (already divided by the group's token count N); backward scales them by the
@@ -211,10 +230,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 torch.mm(g, weight, out=grad_h[s:s + chunk_size])
             if grad_w is not None:
-                if grad_w.dtype == g.dtype:
-                    grad_w.addmm_(g.t(), h)
-                else:  # bf16 products, fp32 accumulation over chunks
-                    grad_w += (g.t() @ h).to(grad_w.dtype)
+                _accumulate(grad_w, g.t(), h)
         if distributed:
             dist.all_reduce(local, op=dist.ReduceOp.SUM, group=group)
         ctx.save_for_backward(grad_h, grad_w)

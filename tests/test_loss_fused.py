@@ -103,6 +103,22 @@ def test_bfloat16_matches_float64_reference():
         assert_close(a.reshape(-1).double(), b.reshape(-1), dtype=torch.bfloat16, name=name)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("softcap", [None, 30.0])
+def test_cuda_bfloat16_matches_float64_reference(softcap):
+    """The CUDA path (bf16 matmuls, fp32 dweight accumulated by addmm's out_dtype) against the
+    float64 CPU reference of the same bf16 inputs, and against the unfused bf16 loss."""
+    h, w, labels = _data(3000, 256, 5000, seed=4, dtype=torch.bfloat16)
+    got = _grads(cp_linear_cross_entropy, h.cuda(), w.cuda(), labels.cuda(), chunk_size=512,
+                 softcap=softcap)
+    ref = _grads(_reference, h.double(), w.double(), labels, softcap=softcap)
+    unfused = _grads(_unfused, h.cuda(), w.cuda(), labels.cuda(), softcap=softcap)
+    for a, b, u, name in zip(got, ref, unfused, ("loss", "dhidden", "dweight"), strict=True):
+        assert_close(a.reshape(-1).double().cpu(), b.reshape(-1), dtype=torch.bfloat16, name=name)
+        assert_close(u.reshape(-1).double().cpu(), b.reshape(-1), dtype=torch.bfloat16,
+                     name=f"unfused {name}")
+
+
 def test_second_backward_is_refused():
     h, w, labels = _data(8, 4, 5, seed=3)
     h.requires_grad_()
