@@ -8,10 +8,13 @@ other and the rows are read from DRAM once. It depends only on the number of
 local tokens and heads, never on the number of sequences, their lengths or
 the cache length. Each program
 
-1. finds the sequence of each of its ``BLOCK_T`` rows by a vectorized binary
-   search over ``cu_seqlens`` (``ceil(log2(n_seqs + 1))`` steps, a runtime
-   loop; zero-length sequences cost nothing),
-2. applies the load-balanced CP position formula (DESIGN.md) in-kernel,
+1. gets the position of each of its ``BLOCK_T`` rows: with ``position_ids``
+   (``HAS_POS_IDS``; what a per-batch plan passes, built once per batch) one
+   load per row and one load of ``cu_seqlens[-1]``, no search; otherwise it
+   finds each row's sequence by a vectorized binary search over ``cu_seqlens``
+   (``ceil(log2(n_seqs + 1))`` steps, a runtime loop; zero-length sequences
+   cost nothing),
+2. and applies the load-balanced CP position formula (DESIGN.md) in-kernel,
 3. gathers the cos/sin rows once and reuses them for every head it handles,
 4. loops over its heads: loads in the input dtype, rotates in float32, stores
    in the output dtype, and copies the pass-through dims ``>= rotary_dim``
@@ -66,7 +69,11 @@ def _rotate_heads(
         mask = mask_t[:, None] & (offs < ROT_HALF)[None, :]
     offs_p = 2 * ROT_HALF + tl.arange(0, BLOCK_P)
     mask_pass = mask_t[:, None] & (offs_p < head_dim)[None, :]
-    for h in range(h_start, h_end):
+    # A runtime while loop, not `for h in range(h_start, h_end)`: triton 3.6's interpreter
+    # cannot turn a tensor bound into a Python int (its `__index__` rejects the 1-element
+    # array), while both compile to the same runtime loop (neither unrolls nor pipelines).
+    h = h_start
+    while h < h_end:
         px = X + row_x + h * stride_xh
         po = OUT + row_o + h * stride_oh
         if INTERLEAVED:
@@ -87,6 +94,7 @@ def _rotate_heads(
         if COPY_PASS:
             xp = tl.load(px + offs_p[None, :] * stride_xd, mask=mask_pass)
             tl.store(po + offs_p[None, :] * stride_od, xp.to(OUT.dtype.element_ty), mask=mask_pass)
+        h += 1
 
 
 # Integer arguments that change from batch to batch or model to model: Triton would
@@ -133,9 +141,11 @@ def _rope_kernel(
     mask_t = offs_t < n_tokens
 
     if HAS_POS_IDS:
-        # rows from cu_seqlens[-1] on are padding, copied unchanged
+        # One position load per row, no search. The two loads are independent (padding rows
+        # read their in-bounds entry too), so their latencies overlap; rows from
+        # cu_seqlens[-1] on are padding, copied unchanged (cos 1, sin 0 below).
+        pos = tl.load(POS_IDS + offs_t, mask=mask_t, other=0).to(tl.int64)
         valid = mask_t & (offs_t < tl.load(CU_SEQLENS + n_seqs))
-        pos = tl.load(POS_IDS + offs_t, mask=valid, other=0).to(tl.int64)
     else:
         # Sequence of each row: the largest b in [0, n_seqs] with cu[b] <= t
         # (binary lifting; b == n_seqs means trailing padding).
