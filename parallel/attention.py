@@ -115,7 +115,8 @@ def attention_plan(
                 placement_fixed=laid, cp_size=size, q_heads=q_heads, kv_heads=kv_heads,
                 head_dim=head_dim, dtype=dtype, device=torch.device(kw["device"]),
                 causal=causal, method=method, placement=placement,
-                split_threshold=split_threshold, ulysses_size=ulysses_size)
+                split_threshold=(kw["placement"].split_threshold if laid == "per_document"
+                                 else split_threshold), ulysses_size=ulysses_size)
             choice = choose_strategy(info)
             if choice.placement != laid:
                 raise ValueError(f"placement: the chooser picked {choice.placement!r} but the "

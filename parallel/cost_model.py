@@ -48,11 +48,11 @@ import torch
 
 from cp_rope.validation import check_cp_args, check_int
 
-from ._calibration import Calibration, default_calibration
+from ._calibration import Calibration, active_calibration
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
 
-__all__ = ["Choice", "Setting", "candidate_settings", "choose", "predict"]
+__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_settings", "choose", "predict"]
 
 _FWD_BWD = 3.5  # fwd + bwd FLOPs / fwd FLOPs (flash-attention's convention)
 _ELEM = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -246,7 +246,7 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     ``check_ulysses_args`` for head counts the method cannot split; a split document whose
     length is not divisible by ``2 * cp_size``).
     """
-    cal = calibration or default_calibration()
+    cal = calibration or active_calibration()
     cu = _lengths(cu_seqlens)
     C, _ = check_cp_args(cp_size, 0)
     hq = check_int("q_heads", q_heads, min_value=1)
@@ -384,3 +384,46 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
     if not math.isfinite(best[0]):
         raise ValueError("cost model: no finite prediction (calibration values invalid?)")
     return Choice(best[1], best[0], ranking)
+
+
+class AutoPlacement:
+    """A DataLoader ``collate_fn`` for ``placement="auto"``: packs the global batch with
+    ``collator`` (a :class:`~cp_rope.parallel.PackingCollator` with ``cp_rank`` set and
+    placement zigzag), picks the batch's placement and split threshold with :func:`choose`
+    (jointly with the method, ``method`` may be fixed), and returns this rank's shard cut
+    that way. Every rank of the CP group packs the same global batch, so every rank picks
+    the same placement; the plan built from the shard with ``method="auto"``
+    (:func:`~cp_rope.parallel.attention_plan`) then picks the method for that placement.
+    ``last_choice``: the latest :class:`Choice` (for the step log).
+
+    Args: ``collator``; the layer's ``q_heads``, ``kv_heads``, ``head_dim``, ``dtype``;
+    ``backend`` (throughput table), ``method``, ``ulysses_size``: as :func:`choose`.
+
+    Raises: TypeError if ``collator`` is not a PackingCollator with ``cp_rank`` set; as
+    :func:`choose` per batch.
+    """
+
+    def __init__(self, collator, *, q_heads: int, kv_heads: int, head_dim: int,
+                 dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
+                 method: str = "auto", ulysses_size: int | None = None):
+        from .collator import PackingCollator
+
+        if not isinstance(collator, PackingCollator) or collator.cp_rank is None:
+            raise TypeError("collator: a PackingCollator with cp_rank set (this rank's shard)")
+        self.collator = collator
+        self.kw = dict(cp_size=collator.cp_size, q_heads=q_heads, kv_heads=kv_heads,
+                       head_dim=head_dim, dtype=dtype, backend=backend, method=method,
+                       ulysses_size=ulysses_size)
+        self.last_choice: Choice | None = None
+
+    def __call__(self, examples):
+        from .sharding import shard_batch
+
+        c = self.collator
+        batch = c.pack(examples)
+        choice = choose(batch.cu_seqlens, **self.kw)
+        self.last_choice = choice
+        return shard_batch(batch, c.cp_size, c.cp_rank, placement=choice.placement,
+                           split_threshold=choice.split_threshold, pad_id=c.pad_id,
+                           ignore_index=c.ignore_index,
+                           pad_to_multiple=(c.pad_to_multiple or c.cp_size) // c.cp_size)

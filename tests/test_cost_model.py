@@ -150,3 +150,37 @@ def test_trainer_refuses_a_foreign_calibration_file_naming_it(tmp_path):
     assert cfg.parallel.cp_calibration == path and cfg.parallel.cp_self_test == "off"
     with pytest.raises(ConfigError, match=r"parallel\.cp_calibration.*h100\.json.*NVIDIA H100"):
         cp_start_up(cfg, None, 1, torch.device("cpu"), torch.float32, print)
+
+
+def _auto_placement_body(rank, world):
+    from cp_rope.parallel import PackingCollator, attention_plan
+    from cp_rope.parallel.cost_model import AutoPlacement
+
+    group = dist.group.WORLD
+    fast = dataclasses.replace(calib.default_calibration(), call_us=0.0, seg_ns=0.0,
+                               merge_bytes_per_row=0.0, p2p_gbps=1e6)
+    gen = torch.Generator().manual_seed(1)
+    table = [torch.randn(4200, h, 16, generator=gen, dtype=torch.float64) for h in (4, 2, 2)]
+    for docs, cal, want in (([9, 1, 30, 7, 12, 5, 64], None, "per_document"),
+                            ([1000], fast, "zigzag")):
+        examples = [{"input_ids": torch.arange(1, n + 1) + 100 * i} for i, n in enumerate(docs)]
+        calib.use_calibration(cal)
+        try:
+            auto = AutoPlacement(PackingCollator(cp_size=world, cp_rank=rank), q_heads=4,
+                                 kv_heads=2, head_dim=16, dtype=torch.float64, backend="reference")
+            local = auto(examples)
+            assert auto.last_choice.placement == want, auto.last_choice.summary()
+            plan = attention_plan(local, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float64,
+                                  group=group, method="auto", backend="reference")
+        finally:
+            calib.use_calibration(None)
+        q, k, v = (t[local.input_ids] for t in table)
+        out = context_parallel_attention(q, k, v, plan=plan)
+        got = unshard(out, local.cu_seqlens, group, placement=local.placement)
+        glob = auto.collator.pack(examples)
+        ref = _reference_attention(*(t[glob.input_ids] for t in table), glob.cu_seqlens)
+        torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_auto_placement_per_batch_float64_parity():
+    run_distributed(_auto_placement_body, 2)
