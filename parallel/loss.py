@@ -220,9 +220,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             local += per_token.sum().to(torch.float64)
             if grad_h is None and grad_w is None:
                 continue
-            g = z.div_(total[:, None])  # softmax
-            g.scatter_add_(1, tgt, torch.full_like(tgt, -1, dtype=g.dtype))
-            g.mul_((valid.to(dtype) * inv_n)[:, None])
+            # (softmax - onehot) * valid / N in one pass over the chunk, the onehot in fp32 too
+            scale = valid.to(dtype) * inv_n
+            g = z.mul_((scale / total)[:, None])
+            g.scatter_add_(1, tgt, -scale[:, None])
             if th is not None:  # d softcap*tanh(z/softcap) / dz = 1 - tanh^2
                 g.mul_(th.mul_(th).neg_().add_(1.0))
                 del th
