@@ -14,6 +14,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+from dist_utils import run_distributed  # noqa: E402
 from utils import assert_close  # noqa: E402
 
 from cp_rope.launch.config import ConfigError, ModelConfig, PretrainConfig, validate  # noqa: E402
@@ -103,6 +104,40 @@ def test_bad_sizes_name_the_field(field, value):
     cfg.model.fused_loss, cfg.model.loss_chunk_size = False, 64
     with pytest.raises(ConfigError, match="model.loss_chunk_size.*--no-fused-loss"):
         validate(cfg)
+
+
+def _fsdp_body(rank, world):
+    """The production wiring at cp 2 (parallelize: CP, FSDP2 fp32 on gloo; train_step: loss x
+    world, reduce-scatter average): a tiled-MLP, fused-loss model's loss and full gradients
+    equal the plain model's on the same shard."""
+    import torch.distributed as dist
+
+    from cp_rope.launch.config import ParallelConfig, TrainConfig
+    from cp_rope.launch.parallelize import parallelize
+    from cp_rope.launch.pretrain import train_step
+    from cp_rope.parallel import shard_batch
+    from cp_rope.parallel.mesh import ParallelDims
+
+    dims = ParallelDims(dp=1, cp=world, world_size=world)
+    mesh, flat = dims.build_mesh("cpu"), dims.build_flat_mesh("cpu")
+    glob = PackingCollator(cp_size=world)([{"input_ids": torch.randint(0, V, (n,), generator=g)}
+                                           for g in [torch.Generator().manual_seed(5)]
+                                           for n in (37, 1, 64, 8, 23)])
+    batch = shard_batch(glob, world, mesh.get_local_rank("cp"))
+    out = []
+    for over in ({"fused_loss": False}, {"mlp_tile_tokens": 8, "loss_chunk_size": 16}):
+        model = _native(**over)
+        parallelize(model, mesh, PretrainConfig(
+            model=model.cfg, parallel=ParallelConfig(cp_size=world, fsdp="on"),
+            train=TrainConfig(dtype="float32")))
+        loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
+                          grad_scale=float(world), reduce_grads=False)
+        out.append((loss, {n: p.grad.full_tensor() for n, p in model.named_parameters()}))
+    _compare(out[1], out[0], f"fsdp cp {world} rank {dist.get_rank()}")
+
+
+def test_fsdp2_cp2_tiled_fused_equals_plain():
+    run_distributed(_fsdp_body, 2)
 
 
 # ------------------------------------------------------------------------- transformers
