@@ -51,8 +51,7 @@ class _TiledMLP(torch.autograd.Function):
         need_x, need_p = ctx.needs_input_grad[3], ctx.needs_input_grad[4:]
         params = [p for p, need in zip(ctx.params, need_p, strict=True) if need]
         grad_x = torch.empty_like(x) if need_x else None
-        acc = [torch.zeros(p.shape, dtype=torch.promote_types(p.dtype, torch.float32),
-                           device=p.device) for p in params]
+        acc: list = [None] * len(params)  # per parameter: the sum over tiles, >= float32
         n = x.shape[dim]
         for s in range(0, n, tile):
             m = min(tile, n - s)
@@ -64,10 +63,15 @@ class _TiledMLP(torch.autograd.Function):
             if need_x:
                 grad_x.narrow(dim, s, m).copy_(grads[0])
                 grads = grads[1:]
-            for a, g in zip(acc, grads, strict=True):
-                if g is not None:
-                    a += g
-        it = iter([a.to(p.dtype) for a, p in zip(acc, params, strict=True)])
+            for i, g in enumerate(grads):
+                if g is None:
+                    continue
+                if acc[i] is None:  # the first tile's gradient (a fresh tensor) starts the sum
+                    acc[i] = g.to(torch.promote_types(g.dtype, torch.float32))
+                else:
+                    acc[i] += g
+        it = iter([torch.zeros_like(p) if a is None else a.to(p.dtype)
+                   for a, p in zip(acc, params, strict=True)])
         return (None, None, None, grad_x, *[next(it) if need else None for need in need_p])
 
 
