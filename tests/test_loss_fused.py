@@ -107,16 +107,17 @@ def test_bfloat16_matches_float64_reference():
 @pytest.mark.parametrize("softcap", [None, 30.0])
 def test_cuda_bfloat16_matches_float64_reference(softcap):
     """The CUDA path (bf16 matmuls, fp32 dweight accumulated by addmm's out_dtype) against the
-    float64 CPU reference of the same bf16 inputs, and against the unfused bf16 loss."""
+    float64 CPU reference of the same bf16 inputs: normwise at least as close as the unfused
+    bf16 loss (bf16 roundings differ elementwise)."""
     h, w, labels = _data(3000, 256, 5000, seed=4, dtype=torch.bfloat16)
     got = _grads(cp_linear_cross_entropy, h.cuda(), w.cuda(), labels.cuda(), chunk_size=512,
                  softcap=softcap)
     ref = _grads(_reference, h.double(), w.double(), labels, softcap=softcap)
     unfused = _grads(_unfused, h.cuda(), w.cuda(), labels.cuda(), softcap=softcap)
     for a, b, u, name in zip(got, ref, unfused, ("loss", "dhidden", "dweight"), strict=True):
-        assert_close(a.reshape(-1).double().cpu(), b.reshape(-1), dtype=torch.bfloat16, name=name)
-        assert_close(u.reshape(-1).double().cpu(), b.reshape(-1), dtype=torch.bfloat16,
-                     name=f"unfused {name}")
+        a, b, u = (t.reshape(-1).double().cpu() for t in (a, b, u))
+        err, err_unfused = float((a - b).norm() / b.norm()), float((u - b).norm() / b.norm())
+        assert err <= max(2 * err_unfused, 2 ** -8), (name, err, err_unfused)  # normwise
 
 
 def test_second_backward_is_refused():
