@@ -16,6 +16,11 @@ Then the per-call host time at a tiny shape (``--host-tokens``, 128: GPU time
 negligible): back-to-back calls, one sync at the end, for forward and
 forward+backward.
 
+cp_rope is timed two ways: ``cp_rope`` (the standalone API: ``cu_seqlens`` and the CP
+formula, a binary search per program) and ``cp_rope_plan`` (what a per-batch plan passes,
+``plan.rope_args()``: int32 global ``position_ids`` built once per batch, cp_size 1; one
+position load per row, no search).
+
 Peers, on the same inputs (each checked against cp_rope before timing):
 
 * ``flash_attn``: flash-attn's Triton rotary (``flash_attn.layers.rotary.apply_rotary_emb``
@@ -100,6 +105,9 @@ class Point:
         self.cu_cpu, self.cu = cu, cu.to(device)
         self.max_seqlen = max(lens)
         self.position_ids = global_positions(cu, cp_size, self.cp_rank).to(device)
+        # what plan.rope_args() hands over: int32 [T] (0 on padding rows) and a host bound
+        self.plan_positions = self.position_ids.to(torch.int32)
+        self.max_position_id = int(self.position_ids.max()) if self.position_ids.numel() else 0
         # the zigzag chunks as varlen sequences with offsets (what flash-attn can express)
         if cp_size == 1:
             self.chunk_cu, self.chunk_offsets, self.chunk_max = self.cu, 0, self.max_seqlen
@@ -127,6 +135,18 @@ class Point:
 def cp_rope_fn(p: Point):
     c = p.caches
     kw = dict(max_seqlen=p.max_seqlen, cp_size=p.cp_size, cp_rank=p.cp_rank)
+
+    def apply(q, k):
+        if k is None:
+            return apply_rotary_emb(q, c["cos"], c["sin"], p.cu, **kw), None
+        return apply_rotary_emb_qk(q, k, c["cos"], c["sin"], p.cu, **kw)
+
+    return apply
+
+
+def cp_rope_plan_fn(p: Point):
+    c = p.caches
+    kw = dict(position_ids=p.plan_positions, max_position_id=p.max_position_id)
 
     def apply(q, k):
         if k is None:
@@ -323,6 +343,10 @@ def check_correctness(caches, device, makers, n_tokens):
         del ref, err
     print(f"correctness: cp_rope kernel vs float64 reference OK (max |err| {worst:.3g}, bf16)")
     ours = cp_rope_fn(p)(p.q, p.k)
+    plan = cp_rope_plan_fn(p)(p.q, p.k)
+    if not all(torch.equal(a, b) for a, b in zip(plan, ours, strict=True)):
+        raise SystemExit("cp_rope_plan (position_ids) differs from the CP formula path")
+    print("correctness: cp_rope_plan (position_ids) bit-equal to the CP formula path")
     for name, make in list(makers.items()):
         try:
             got = make(p)(p.q.clone(), p.k.clone())
@@ -377,7 +401,7 @@ def main():
     check_correctness(caches, device, makers, T)
     copy_graph, copy_eager = copy_bandwidth(device, T * 32 * HEAD_DIM * 2, args.warmup, args.rep)
     print(f"device-to-device copy: {copy_graph:.3f} TB/s (graph), {copy_eager:.3f} TB/s (eager)")
-    impls = {"cp_rope": cp_rope_fn, **makers}
+    impls = {"cp_rope": cp_rope_fn, "cp_rope_plan": cp_rope_plan_fn, **makers}
 
     # host time at a tiny shape: case (b), 4 sequences, cp_size 1
     host = {}
@@ -501,8 +525,17 @@ def report(d, args):
         o = by[(*key, "cp_rope")]
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {key[3]} | " + " | ".join(cells)
                      + f" | {o['fwdbwd_ms']:.4f} / {o['fwdbwd_graph_ms']:.4f} |")
-    lines += ["", "### Targets (issue 13)", ""]
-    ours = [r for r in rows if r["impl"] == "cp_rope"]
+    lines += ["", "### Targets (issue 20 item 4; issue 13)", ""]
+    for ours_name in [n for n in ("cp_rope_plan", "cp_rope") if n in names]:
+        lines += [f"{ours_name}:", ""]
+        lines += _targets(rows, names, by, host, ours_name, n_tokens) + [""]
+    return "\n".join(lines) + "\n"
+
+
+def _targets(rows, names, by, host, ours_name, n_tokens):
+    """Target lines of one cp_rope implementation (graph time, host time)."""
+    lines = []
+    ours = [r for r in rows if r["impl"] == ours_name]
     fmin = min(r["fwd_graph_pct"] for r in ours)
     bmin = min(r["fwdbwd_graph_pct"] for r in ours)
     lines.append(f"- graph time >= 97% of copy bandwidth at every point: fwd min {fmin:.1f}% (median "
@@ -524,20 +557,20 @@ def report(d, args):
         lines.append("- not slower than flash-attn's rotary on equal lengths (graph): "
                      + ("met at every point" if not slower else
                         f"NOT met at {len(slower)} of {2 * sum(r['dist'] == 'equal' for r in ours)} "
-                        f"(fwd and fwd+bwd): cp_rope slower by {slower[0][0]:.1f}-{slower[-1][0]:.1f}% "
+                        f"(fwd and fwd+bwd): {ours_name} slower by {slower[0][0]:.1f}-{slower[-1][0]:.1f}% "
                         f"(median {statistics.median(x for x, _ in slower):.1f}%; worst {slower[-1][1]})"))
         skew = [r for r in rows if r["impl"] == "flash_attn" and r["dist"] == "skewed"]
         if skew:
             lines.append(f"- skewed lengths: flash-attn's rotary (grid n_seqs x max_seqlen) reaches "
                          f"{min(r['fwd_graph_pct'] for r in skew):.1f}-{max(r['fwd_graph_pct'] for r in skew):.1f}% "
-                         f"of copy bandwidth, cp_rope "
+                         f"of copy bandwidth, {ours_name} "
                          f"{min(r['fwd_graph_pct'] for r in ours if r['dist'] == 'skewed'):.1f}-"
                          f"{max(r['fwd_graph_pct'] for r in ours if r['dist'] == 'skewed'):.1f}% (fwd, graph)")
     beaten = []
     for r in ours:
         for n in names:
             o = by.get((r["case"], r["cp_size"], r["n_seqs"], r["dist"], n))
-            if n != "cp_rope" and o is not None:
+            if not n.startswith("cp_rope") and o is not None:
                 beaten += [n for key in ("fwd_graph_ms", "fwdbwd_graph_ms") if o[key] < r[key]]
     lines.append("- faster than every peer at every point (graph): " + (
         "met" if not beaten else "NOT met: a peer is faster in " + ", ".join(
@@ -546,14 +579,14 @@ def report(d, args):
     ratios = [r["fwdbwd_ms"] / r["fwdbwd_graph_ms"] for r in ours]
     lines.append(f"- eager fwd+bwd within 10% of graph time at T = {n_tokens}: eager / graph = "
                  f"{min(ratios):.3f}..{max(ratios):.3f}: {'met' if max(ratios) <= 1.10 else 'NOT met'}")
-    if "cp_rope" in host and len(host) > 1:
-        peers_h = {n: h for n, h in host.items() if n != "cp_rope"}
+    peers_h = {n: h for n, h in host.items() if not n.startswith("cp_rope")}
+    if ours_name in host and peers_h:
         for i, what in enumerate(("fwd", "fwd+bwd")):
             best = min(peers_h, key=lambda n: peers_h[n][i])
-            ok = host["cp_rope"][i] <= peers_h[best][i]
-            lines.append(f"- host time per call, {what}: cp_rope {host['cp_rope'][i]:.1f} us vs lowest peer "
-                         f"{best} {peers_h[best][i]:.1f} us: {'met' if ok else 'NOT met'}")
-    return "\n".join(lines) + "\n"
+            ok = host[ours_name][i] <= peers_h[best][i]
+            lines.append(f"- host time per call, {what}: {ours_name} {host[ours_name][i]:.1f} us vs lowest "
+                         f"peer {best} {peers_h[best][i]:.1f} us: {'met' if ok else 'NOT met'}")
+    return lines
 
 
 if __name__ == "__main__":
