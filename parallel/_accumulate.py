@@ -36,7 +36,8 @@ __all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads"]
 # * cudnn (THD): its backward takes the LSE padded, fp32 [B_seg, Hq, max_q] per distinct
 #   block (at most 3 in a ring: the diagonal, the two half blocks), made once per backward
 #   call and freed with it: B * Hq * max_seqlen * 4 bytes for the diagonal (e.g. 16 MiB for
-#   64 x 2048 tokens, Hq 32; 272 MiB for one 32768 document + 64 of 1536).
+#   64 x 2048 tokens, Hq 32); blocks of very unequal documents run as several calls
+#   (parallel/_cudnn_thd.py), each padded to at most 16 (T + 32 B) rows of Hq floats.
 # Per rank at cp_size C on one sequence (S tokens, Hq = 4 Hkv): persistent q, k, v, dout,
 # out, dq, dk, dv = 5 S Hq D / C elements, plus the K/V receive buffer (S Hq D / (2 C)),
 # plus one call's outputs and workspace; at cp_size 1: 5 S Hq D plus the one call's.

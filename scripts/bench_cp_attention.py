@@ -9,7 +9,9 @@ Setting: Hq 32, Hkv 8 (GQA), head_dim 128, bf16, causal, documents packed THD.
 * ``1x131072``: one sequence of 131072 tokens;
 * ``64x2048``, ``512x256``: 64 / 512 documents of 2048 / 256 tokens;
 * ``32768+64x1536``: one 32768-token document and 64 of 1536;
-* ``random``: 12 documents of 2048-16384 tokens (uniform, multiples of 128, seed 0)
+* ``random``: 12 documents of 2048-16384 tokens (uniform, multiples of 128, seed 0);
+* ``16384+4096x16``: one 16384-token document, then 4096 of 16 (T = 81920; issue 20's
+  skewed layout); ``shuffled-skew``: the same documents shuffled (seed 0)
 
 times ``context_parallel_attention`` at cp_size 1 with a plan built once per
 batch (outside the timed region, as the trainer does) for every block backend
@@ -18,28 +20,20 @@ that runs the layout (``cudnn``, ``flash_attn`` if installed, ``torch_flash``,
 (``F.scaled_dot_product_attention`` under the cuDNN backend, ``enable_gqa``) on
 ``[B, Hq, S, D]`` for the layouts of equal-length documents.
 
-``stdlib``: documents with the lengths of the Python standard library's ``*.py``
-files (what ``cp_rope.launch.pretrain`` trains on by default: bytes + 2), shuffled
-(seed 0), capped at 32768, rounded up to multiples of 128, the last one cut so that
-they fill 131072 tokens (the machine's Python decides the files).
+``stdlib``: the lengths of the Python standard library's ``*.py`` files (pretrain's
+default corpus: bytes + 2), shuffled (seed 0), capped at 32768, rounded up to multiples
+of 128, the last one cut to fill 131072 tokens (the machine's Python decides the files).
 
-``--simulate-cp C [C ...]``: on the one GPU, run each rank's share of a
-cp_size-C ring step in turn -- the rank's own plan
-(:meth:`CPAttentionPlan.simulated`: the same blocks and kernels, loopback
-exchanges instead of communication) on its ``T / C`` local rows -- and report
-the slowest rank's compute time and the compute-only scaling bound
-``t(cp=1) / (C * max_rank_time)``: what the multi-GPU ring reaches when its
-communication is hidden behind compute. ``--simulate-methods`` picks the CP
-methods of the zigzag placement (default ring; ulysses, hybrid with all-to-all
-groups of ``--ulysses-size`` ranks, allgather); each row's note gives the MiB one
-rank sends per layer, forward + backward, bf16
-(:func:`cp_rope.parallel.ulysses.comm_volume`) and the part that overlaps compute
-(the ring's; Ulysses' all-to-alls do not). ``--placement zigzag per_document``
-simulates each document placement; per_document
-(:func:`cp_rope.parallel.place_documents` with ``--split-threshold``): each
-rank runs :meth:`PerDocumentPlan.simulated` through
-:func:`~cp_rope.parallel.per_document_attention` (its whole documents, and its
-share of the split ones with loopback exchanges).
+``--simulate-cp C [C ...]``: on the one GPU, run each rank's share of a cp_size-C
+step in turn -- the rank's own plan (:meth:`CPAttentionPlan.simulated`: the same blocks
+and kernels, loopback exchanges) on its ``T / C`` local rows -- and report the slowest
+rank's compute time and the compute-only scaling bound ``t(cp=1) / (C * max_rank_time)``
+(the multi-GPU ring with its communication hidden). ``--simulate-methods``: the zigzag
+methods (default ring; ulysses, hybrid with ``--ulysses-size``, allgather); the note
+gives the MiB one rank sends per layer, fwd + bwd, bf16 (:func:`~cp_rope.parallel.
+ulysses.comm_volume`) and the part overlapping compute. ``--placement zigzag
+per_document``: per_document (:func:`~cp_rope.parallel.place_documents`,
+``--split-threshold``) runs :meth:`PerDocumentPlan.simulated` per rank.
 
 **Several GPUs** (``torchrun --nproc-per-node W``, W > 1): every layout of
 ``--layouts`` whose lengths divide by 2W, at cp_size W on all ranks, methods of
@@ -55,7 +49,7 @@ after ``--warmup``); TFLOP/s per GPU with causal FLOPs counted once, as
 flash-attn's benchmarks do: ``fwd = 4 * sum_b(L_b^2) / 2 * Hq * D``,
 ``fwd+bwd = 3.5 * fwd``, divided by the GPUs; peak memory
 (``torch.cuda.max_memory_allocated`` over one forward + backward, inputs and
-gradients included).
+gradients included) and the part above the inputs (q, k, v, dout allocated before).
 
 Usage (repository root)::
 
@@ -92,7 +86,8 @@ from cp_rope.parallel._blocks import get_backend
 from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available
 from cp_rope.parallel.ulysses import comm_volume
 
-LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random", "stdlib")
+LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random", "stdlib",
+                "16384+4096x16", "shuffled-skew")
 
 
 def parse_args() -> argparse.Namespace:
@@ -149,6 +144,11 @@ def layout_lengths(name: str) -> list[int]:
         return out
     if name == "32768+64x1536":
         return [32768] + [1536] * 64
+    if name in ("16384+4096x16", "shuffled-skew"):
+        lengths = [16384] + [16] * 4096
+        if name == "shuffled-skew":
+            random.Random(0).shuffle(lengths)
+        return lengths
     n, length = name.split("x")
     return [int(length)] * int(n)
 
@@ -172,8 +172,8 @@ def cuda_time_ms(fn, warmup: int, iters: int) -> float:
     return statistics.median(times)
 
 
-def measure(args, run, leaves, dout) -> tuple[float, float, float]:
-    """(fwd ms, fwd+bwd ms, peak GiB of one fwd+bwd) of ``run()`` w.r.t. ``leaves``."""
+def measure(args, run, leaves, dout) -> tuple[float, float, tuple[float, float]]:
+    """(fwd ms, fwd+bwd ms, (peak GiB, GiB above the inputs) of one fwd+bwd) of ``run()``."""
 
     def fwd():
         with torch.no_grad():
@@ -185,13 +185,16 @@ def measure(args, run, leaves, dout) -> tuple[float, float, float]:
         run().backward(dout)
 
     fwd_bwd()  # graph / kernel caches before the memory measurement
+    for t in leaves:
+        t.grad = None
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    inputs = torch.cuda.memory_allocated()
     fwd_bwd()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() / 2**30
+    peak = torch.cuda.max_memory_allocated()
     return (cuda_time_ms(fwd, args.warmup, args.iters),
-            cuda_time_ms(fwd_bwd, args.warmup, args.iters), peak)
+            cuda_time_ms(fwd_bwd, args.warmup, args.iters), (peak / 2**30, (peak - inputs) / 2**30))
 
 
 def make_qkv(args, n_rows, device, seed):
@@ -286,19 +289,24 @@ def one_gpu_backends(args, device) -> list[str]:
     return names + ["torch_flash", "torch_cudnn"]
 
 
-def run_one_gpu(args, device):
-    """rows: (layout, cp, impl, backend, fwd, fwd_bwd, peak, note); sim: simulation rows."""
-    rows, sim = [], []
-    probe = torch.empty(1, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
-
+def recorder(rows):
+    """``record(layout, cp, impl, backend, fn)``: a row (layout, cp, impl, backend, fwd,
+    fwd_bwd, (peak, above inputs), note) of ``fn()``'s measure; a failure becomes a note."""
     def record(layout, cp, impl, backend, fn):
         try:
-            f, fb, peak = fn()
-            rows.append((layout, cp, impl, backend, f, fb, peak, ""))
+            rows.append((layout, cp, impl, backend, *fn(), ""))
         except Exception as exc:  # unsupported combination: report it, keep going
             rows.append((layout, cp, impl, backend, None, None, None,
                          f"{type(exc).__name__}: {str(exc)[:100]}"))
         torch.cuda.empty_cache()
+    return record
+
+
+def run_one_gpu(args, device):
+    """rows (see :func:`recorder`); sim: simulation rows."""
+    rows, sim = [], []
+    record = recorder(rows)
+    probe = torch.empty(1, args.heads, args.head_dim, device=device, dtype=torch.bfloat16)
 
     for layout in args.layouts:
         lengths = layout_lengths(layout)
@@ -354,15 +362,7 @@ def run_one_gpu(args, device):
 
 def run_several_gpus(args, rank, world, device):
     rows = []
-
-    def record(layout, impl, backend, fn):
-        try:
-            f, fb, peak = fn()
-            rows.append((layout, world, impl, backend, f, fb, peak, ""))
-        except Exception as exc:
-            rows.append((layout, world, impl, backend, None, None, None,
-                         f"{type(exc).__name__}: {str(exc)[:100]}"))
-        torch.cuda.empty_cache()
+    record = lambda layout, impl, backend, fn: recorder(rows)(layout, world, impl, backend, fn)
 
     for layout in args.layouts:
         lengths = layout_lengths(layout)
@@ -394,9 +394,9 @@ def run_several_gpus(args, rank, world, device):
             name = "torch context_parallel " + ("MHA" if kv_heads == args.heads else "GQA")
             record("1x131072", name, "SDPA",
                    lambda kv_heads=kv_heads: bench_torch_cp(args, world, kv_heads, device))
-    peaks = torch.tensor([r[6] or 0.0 for r in rows], device=device)
+    peaks = torch.tensor([r[6] or (0.0, 0.0) for r in rows], device=device)
     dist.all_reduce(peaks, op=dist.ReduceOp.MAX)  # report the max over ranks
-    return [(*r[:6], p, r[7]) for r, p in zip(rows, peaks.tolist(), strict=True)]
+    return [(*r[:6], tuple(p), r[7]) for r, p in zip(rows, peaks.tolist(), strict=True)]
 
 
 def bench_torch_cp(args, cp_size, kv_heads, device):
@@ -440,16 +440,16 @@ def format_report(args, world, rows, sim, elapsed) -> str:
         f"fwd+bwd = 3.5 fwd). Run time {elapsed:.0f} s.",
         "",
         "| layout | cp | implementation | backend | fwd ms | fwd TFLOP/s | fwd+bwd ms "
-        "| fwd+bwd TFLOP/s | peak GiB | note |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| fwd+bwd TFLOP/s | peak GiB | GiB above inputs | note |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
-    for lay, cp, impl, backend, f, fb, peak, note in rows:
+    for lay, cp, impl, backend, f, fb, mem, note in rows:
         if fb is None:
-            lines.append(f"| {lay} | {cp} | {impl} | {backend} | - | - | - | - | - | {note} |")
+            lines.append(f"| {lay} | {cp} | {impl} | {backend} | - | - | - | - | - | - | {note} |")
             continue
         fl = causal_fwd_flops(layout_lengths(lay), args.heads, args.head_dim) / cp
         lines.append(f"| {lay} | {cp} | {impl} | {backend} | {f:.2f} | {fl / f / 1e9:.0f} | "
-                     f"{fb:.2f} | {3.5 * fl / fb / 1e9:.0f} | {peak:.1f} | {note} |")
+                     f"{fb:.2f} | {3.5 * fl / fb / 1e9:.0f} | {mem[0]:.2f} | {mem[1]:.2f} | {note} |")
     if sim:
         lines += ["", "Simulated CP on one GPU (`--simulate-cp`): each rank's share of a "
                   "cp_size-C step, run in turn with its own plan and loopback exchanges; slowest "

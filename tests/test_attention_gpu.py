@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import random
 import sys
 
 import pytest
@@ -200,6 +201,100 @@ def test_no_sync_with_plan_16_layers(backend):
         h.float().square().mean().backward()
 
     step()  # warm-up outside the check: cuDNN graphs, kernel caches
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.isfinite(w.grad).all()
+
+
+def _skewed_layouts() -> dict[str, list[int]]:
+    """Layouts whose cudnn blocks split into several calls (parallel/_cudnn_thd.py)."""
+    rng = random.Random(0)
+    heavy = [min(int(rng.lognormvariate(4.5, 1.6)), 6000) for _ in range(400)]
+    return {"8192 then 2048x16 (views)": [8192] + [16] * 2048,
+            "8192 amid 2048x16 (three views)": [16] * 1000 + [8192] + [16] * 1048,
+            "heavy tail, shuffled (gathered)": heavy}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("cp_size", [1, 2])
+def test_cudnn_skewed_layouts_gpu(cp_size):
+    """backend="cudnn" on skewed layouts (blocks split into calls by document length: views,
+    gathered rows, padded segment counts) against the reference backend in float32 on the
+    same bf16 inputs and plan layout; cp_size 2: each rank of a simulated ring (blocks with
+    skipped keys and keyless queries). Allocator poisoned with NaN before each cudnn run."""
+    from cp_rope.parallel._blocks import get_backend
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    hq, hkv, d, tol = 8, 2, 128, 3.5e-2
+    failed, split = [], 0
+    layouts = _skewed_layouts()
+    if cp_size > 1:
+        layouts.pop("8192 then 2048x16 (views)")
+    for name, lens in layouts.items():
+        local = [-(-n // (2 * cp_size)) * 2 for n in lens]
+        cu = torch.tensor([0, *torch.tensor(local).cumsum(0).tolist()], dtype=torch.int32)
+        n = int(cu[-1]) + 3  # trailing rows
+        for r in range(cp_size):
+            gen = torch.Generator().manual_seed(r)
+            x = [torch.randn(n, h, d, generator=gen).to(device, torch.bfloat16)
+                 for h in (hq, hkv, hkv, hq)]
+            res = {}
+            for backend, dtype in (("cudnn", torch.bfloat16), ("reference", torch.float32)):
+                kw = dict(q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype, device=device,
+                          n_tokens=n, backend=backend)
+                plan = (CPAttentionPlan.build(cu, max(local), **kw) if cp_size == 1 else
+                        CPAttentionPlan.simulated(cu, max(local), cp_size=cp_size, cp_rank=r, **kw))
+                leaves = [t.to(dtype).requires_grad_() for t in x[:3]]
+                if backend == "cudnn":
+                    assert get_backend("auto", leaves[0], plan.n_seqs).name == "cudnn"
+                    _poison_allocator(device)
+                out, lse = context_parallel_attention(*leaves, plan=plan, return_lse=True)
+                out.backward(x[3].to(dtype))
+                res[backend] = (out.detach(), lse, *(t.grad for t in leaves))
+                if backend == "cudnn":
+                    blocks = {id(b): b for bs in plan.blocks.values() for b in bs}.values()
+                    split += sum(len(lay.calls) > 1 for b in blocks for lay in b.backend_cache.values())
+            label = f"cp{cp_size} rank {r} {name}"
+            try:
+                for nm, got, exp in zip(("out", "lse", "dq", "dk", "dv"), res["cudnn"],
+                                        res["reference"], strict=True):
+                    assert_close(got, exp, atol=1e-3 if nm == "lse" else tol,
+                                 rtol=1e-3 if nm == "lse" else tol, name=f"{label} {nm}")
+            except AssertionError as exc:
+                failed.append(str(exc))
+    assert not failed, "\n".join(failed)
+    assert split > 0, "no block was split into several cuDNN calls"
+
+
+@pytest.mark.gpu
+def test_cudnn_skewed_no_sync():
+    """The split cudnn blocks (views, gathers, the LSE re-padding) do no device-to-host sync
+    with a prebuilt plan: 4 layers forward + backward under sync debug mode "error"."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    lens = _skewed_layouts()["heavy tail, shuffled (gathered)"] + [8192] + [16] * 512
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n, hq, hkv, d = int(cu[-1]), 16, 4, 128
+    plan = CPAttentionPlan.build(cu, max(lens), q_heads=hq, kv_heads=hkv, head_dim=d,
+                                 dtype=torch.bfloat16, device=device, backend="cudnn")
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(n, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
+    w = torch.randn(4, 3, hq, d, device=device, dtype=torch.bfloat16, generator=gen)
+    w.requires_grad_()
+
+    def step():
+        h = x
+        for layer in range(4):
+            q, k, v = (h[:, ::hq // hkv] * w[layer, j, ::hq // hkv] if j else h * w[layer, 0]
+                       for j in range(3))
+            h = h + context_parallel_attention(q, k, v, plan=plan)
+        h.float().square().mean().backward()
+
+    step()
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

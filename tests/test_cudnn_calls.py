@@ -88,7 +88,7 @@ def _check_layout(cu_q, cu_k, n_q, n_k):
             q_rows, k_rows = c.q_index, c.k_index
         else:
             (w0, w1), (v0, v1) = c.q_window, c.k_window
-            assert (i == 0) == (lay.base and (w0, w1, v0, v1) == (0, n_q, 0, n_k))
+            assert i > 0 or (lay.base and (w0, w1, v0, v1) == (0, n_q, 0, n_k))
             assert 0 <= w0 <= c.q_span[0] <= c.q_span[1] <= w1 <= n_q and int(rq[-1]) <= w1 - w0
             assert 0 <= v0 <= c.k_span[0] <= c.k_span[1] <= v1 <= n_k and int(rk[-1]) <= v1 - v0
             if i > 0:  # windows: rounded (few graphs), at most 1.5x their span
@@ -281,12 +281,13 @@ def test_cp1_skewed_matches_oracle(fake_cudnn, name):
         assert_close(a, b, **F64_EXACT, name=f"{name} {nm}")
 
 
-@pytest.mark.parametrize("cp_size,method,causal", [(2, "ring", True), (4, "ring", True),
-                                                   (2, "allgather", True), (2, "ring", False)])
+@pytest.mark.parametrize("cp_size,method,causal", [(2, "ring", True), (2, "allgather", True),
+                                                   (2, "ring", False)])
 def test_simulated_ranks_skewed_match_reference(fake_cudnn, cp_size, method, causal):
-    """Each rank's blocks of a skewed batch (bucketed: several calls, views and gathers):
+    """Each rank's blocks of a skewed batch (split into several calls, views and gathers;
+    rank 0 has the half block with keyless queries, rank 1 the one with skipped keys):
     the cudnn glue equals the reference backend on the same plan and inputs."""
-    lens = [8] * 150 + [600 * cp_size] + [8] * 150 + [0] + [500 * cp_size] + [16] * 60
+    lens = [8] * 80 + [520 * cp_size] + [8] * 80 + [0] + [300 * cp_size] + [16] * 40
     local = _cu([n // cp_size for n in lens])
     kw = {} if causal else {"causal": False, "seq_lens": torch.tensor(lens)}
     multi = 0
