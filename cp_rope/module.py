@@ -68,12 +68,21 @@ class RotaryEmbedding(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, cu_seqlens: torch.Tensor, *,
                 max_seqlen: int | None = None, cp_size: int = 1, cp_rank: int = 0,
-                inplace: bool = False, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, local cu_seqlens int32 ``[B + 1]`` -> rotated (q, k)."""
+                inplace: bool = False, backend: str = "auto",
+                position_ids: torch.Tensor | None = None,
+                max_position_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """q ``[T, Hq, D]``, k ``[T, Hk, D]``, local cu_seqlens int32 ``[B + 1]`` -> rotated (q, k).
+
+        ``position_ids`` (int32/int64 ``[T]``, global positions built once per batch, e.g.
+        ``plan.rope_args()``) replace the CP formula (then ``cp_size`` stays 1): the kernel
+        loads one position per row and does no search over ``cu_seqlens``.
+        ``max_position_id``: host bound on those positions. Errors as
+        :func:`cp_rope.apply_rotary_emb_qk`."""
         cos, sin = self.tables(q.device)
         return apply_rotary_emb_qk(q, k, cos, sin, cu_seqlens, max_seqlen=max_seqlen,
                                    cp_size=cp_size, cp_rank=cp_rank, interleaved=self.interleaved,
-                                   inplace=inplace, backend=backend)
+                                   inplace=inplace, backend=backend, position_ids=position_ids,
+                                   max_position_id=max_position_id)
 
     def extra_repr(self) -> str:
         return (f"rotary_dim={self.rotary_dim}, max_positions={self.max_positions}, "

@@ -360,9 +360,11 @@ def test_debug_checks_device_cu_seqlens(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_int64_addressing_over_2_pow_31_elements():
+@pytest.mark.parametrize("plan_positions", [False, True], ids=["formula", "plan_positions"])
+def test_int64_addressing_over_2_pow_31_elements(plan_positions):
     """q with more than 2**31 elements (bf16, ~4.3 GB): the last token's rows
-    match the reference (int32 offsets would wrap around there)."""
+    match the reference (int32 offsets would wrap around there), with the CP
+    formula and with a plan's int32 ``position_ids``."""
     if torch.cuda.get_device_properties(0).total_memory < 20 * 2**30:
         pytest.skip("needs a GPU with >= 20 GB")
     dev = torch.device("cuda")
@@ -373,7 +375,11 @@ def test_int64_addressing_over_2_pow_31_elements():
     k = torch.randn(n_tokens, 1, head_dim, device=dev, dtype=torch.bfloat16)
     cu = torch.tensor([0, n_tokens // 2, n_tokens - 10], dtype=torch.int32, device=dev)
     cos, sin = rope_cache(n_tokens, head_dim, device=dev)
-    qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, backend="triton")
+    kw = {}
+    if plan_positions:
+        kw["position_ids"] = torch.zeros(n_tokens, dtype=torch.int32, device=dev)
+        kw["position_ids"][: n_tokens - 10] = global_positions(cu).to(torch.int32)
+    qo, ko = apply_rotary_emb_qk(q, k, cos, sin, cu, backend="triton", **kw)
     # the last 20 rows: 10 rows at the end of sequence 1, then 10 padding rows
     tail = slice(n_tokens - 20, n_tokens)
     pos = torch.arange(n_tokens - 20, n_tokens - 10, dtype=torch.float64) - n_tokens // 2

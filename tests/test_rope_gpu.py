@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, rope_cache
+from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache
 
 # (dtype, interleaved, rotary_dim, head_dim): one group of kernel variants each
 GROUPS = [(torch.bfloat16, False, 128, 128), (torch.float16, True, 64, 128),
@@ -36,9 +36,11 @@ def _install_hook(record):
     return lambda: setattr(JITFunction, "cache_hook", old)
 
 
-def _sweep(dtype, interleaved, rotary_dim, head_dim):
+def _sweep(dtype, interleaved, rotary_dim, head_dim, plan_positions=False):
     """Forward and backward over odd/even T (not multiples of 16), n_seqs 1..4096,
-    cp_size 1..4 at every rank, q/k head counts 1, 3, 8, 32 (k also absent)."""
+    cp_size 1..4 at every rank, q/k head counts 1, 3, 8, 32 (k also absent).
+    ``plan_positions``: the positions as a plan passes them (int32 ``position_ids``,
+    cp_size 1) instead of the CP formula."""
     dev = torch.device("cuda")
     cos, sin = rope_cache(1 << 16, rotary_dim, device=dev)
     torch.manual_seed(0)
@@ -52,6 +54,10 @@ def _sweep(dtype, interleaved, rotary_dim, head_dim):
                 for hq, hk in [(1, 1), (3, 1), (8, 3), (32, 8), (32, 0)]:
                     q = torch.randn(n_tokens, hq, head_dim, device=dev, dtype=dtype).requires_grad_()
                     kw = dict(cp_size=cp_size, cp_rank=cp_rank, interleaved=interleaved)
+                    if plan_positions:
+                        pos = torch.zeros(n_tokens, dtype=torch.int32, device=dev)
+                        pos[: int(cu[-1])] = global_positions(cu, cp_size, cp_rank)
+                        kw = dict(interleaved=interleaved, position_ids=pos)
                     if hk:
                         k = torch.randn(n_tokens, hk, head_dim, device=dev, dtype=dtype).requires_grad_()
                         outs = apply_rotary_emb_qk(q, k, cos, sin, cu, **kw)
@@ -62,11 +68,13 @@ def _sweep(dtype, interleaved, rotary_dim, head_dim):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("plan_positions", [False, True], ids=["formula", "plan_positions"])
 @pytest.mark.parametrize("group", GROUPS, ids=lambda g: f"{str(g[0])[6:]}-{'il' if g[1] else 'half'}-r{g[2]}-d{g[3]}")
-def test_kernel_compilations_per_group(group):
+def test_kernel_compilations_per_group(group, plan_positions):
     """Exactly two kernels (forward and backward, i.e. CONJUGATE off and on) per
-    (dtype, interleaved, rotary_dim, head_dim) across the whole sweep: T, n_seqs,
-    cp_size, cp_rank and head counts never specialize the kernel."""
+    (dtype, interleaved, rotary_dim, head_dim) and position source (the CP formula,
+    or a plan's ``position_ids``: the ``HAS_POS_IDS`` flag) across the whole sweep:
+    T, n_seqs, cp_size, cp_rank and head counts never specialize the kernel."""
     from cp_rope.kernel import _rope_kernel
 
     if hasattr(_rope_kernel, "device_caches"):
@@ -74,7 +82,7 @@ def test_kernel_compilations_per_group(group):
     compiled = []
     restore = _install_hook(compiled)
     try:
-        _sweep(*group)
+        _sweep(*group, plan_positions=plan_positions)
     finally:
         restore()
     assert len(compiled) == 2, f"{len(compiled)} compilations:\n" + "\n".join(map(str, compiled))

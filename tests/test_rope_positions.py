@@ -22,6 +22,7 @@ from utils import assert_close, poison_
 from cp_rope import apply_rotary_emb, apply_rotary_emb_qk, global_positions, rope_cache
 from cp_rope.kernel import rotary_triton
 from cp_rope.parallel.sharding import cp_shard_indices, local_cu_seqlens
+from cp_rope.torch_backend import rotary_torch_qk
 
 BACKENDS = ["torch", "triton"]
 
@@ -59,7 +60,7 @@ def test_position_ids_forward_backward(dtype, index_dtype, backend):
     n_tokens = n + 4
     cos, sin = rope_cache(300, 16)
     pos = torch.randint(0, 300, (n_tokens,), generator=gen)
-    pos[n:] = -7  # padding: never read
+    pos[n:] = -7  # padding: never used (the kernel loads the entry, masks its cos/sin)
     q = thd(gen, n_tokens, 3, 24, dtype, strided=True, device=dev).requires_grad_()
     k = thd(gen, n_tokens, 1, 24, dtype, device=dev).requires_grad_()
     ref_in = [t.detach().to("cpu", torch.float64).requires_grad_() for t in (q, k)]
@@ -248,3 +249,66 @@ def test_debug_checks_device_position_ids(monkeypatch):
         apply_rotary_emb(x, cos, sin, cu, position_ids=bad)
     with pytest.raises(ValueError, match="start_positions: position 40"):
         apply_rotary_emb(x, cos, sin, cu, start_positions=torch.tensor([31], device="cuda"))
+
+
+# --- positions from a per-batch plan (issue 20 item 4): the search-free kernel path ----------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["halves", "interleaved"])
+@pytest.mark.parametrize("cp", [(1, 0), (2, 1), (4, 3)], ids=lambda c: f"cp{c[0]}r{c[1]}")
+def test_plan_positions_equal_the_formula_into_poisoned_outputs(cp, interleaved, backend):
+    """What ``plan.rope_args()`` passes (int32 global positions ``[T]``, cp_size 1, the
+    local cu_seqlens): launcher level, into NaN-poisoned outputs, q (strided) and a GQA
+    k with pass-through dims and 5 trailing padding rows whose entries are garbage:
+    bit-equal to the CP formula's result on the same rank, within tolerance of the
+    float64 reference, padding rows and dims >= rotary_dim copied exactly."""
+    cp_size, cp_rank = cp
+    gen = torch.Generator().manual_seed(100 * cp_size + 10 * cp_rank + int(interleaved))
+    dev = device_for(backend)
+    cu = random_cu_seqlens(gen, 7, cp_size)
+    n = int(cu[-1])
+    n_tokens = n + 5
+    cos, sin = rope_cache(cp_size * 30, 12, device=dev)
+    pos = torch.cat((global_positions(cu, cp_size, cp_rank),
+                     torch.randint(-10**6, 10**6, (5,), generator=gen))).to(dev, torch.int32)
+    q = thd(gen, n_tokens, 3, 20, torch.bfloat16, strided=True, device=dev)
+    k = thd(gen, n_tokens, 1, 20, torch.bfloat16, device=dev)
+    launch = rotary_triton if backend == "triton" else rotary_torch_qk
+    outs = []
+    for kw in (dict(position_ids=pos), {}):
+        out_q, out_k = poison_(torch.empty_like(q)), poison_(torch.empty_like(k))
+        launch(q, k, out_q, out_k, cos, sin, cu.to(dev), *((1, 0) if kw else cp), interleaved,
+               False, **kw)
+        outs.append((out_q, out_k))
+    for x, got, formula in zip((q, k), outs[0], outs[1], strict=True):
+        assert torch.equal(got, formula)
+        assert torch.equal(got[n:], x[n:])
+        assert torch.equal(got[:, :, 12:], x[:, :, 12:])
+        want = rope_reference(x.cpu(), cos.cpu(), sin.cpu(), cu, cp_size, cp_rank, interleaved)
+        assert_close(got.cpu(), want, name="out")
+
+
+def test_module_forward_takes_plan_positions():
+    """``RotaryEmbedding.forward(..., position_ids=, max_position_id=)`` rotates by those
+    positions (float64 reference, forward and gradients) and checks them against the bound."""
+    from cp_rope import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(21)
+    cu = random_cu_seqlens(gen, 4, 1)
+    n_tokens = int(cu[-1]) + 2
+    rope = RotaryEmbedding(16, 200)
+    pos = torch.randint(0, 200, (n_tokens,), generator=gen, dtype=torch.int32)
+    q = thd(gen, n_tokens, 2, 16, torch.float32).requires_grad_()
+    k = thd(gen, n_tokens, 1, 16, torch.float32).requires_grad_()
+    ref_in = [t.detach().double().requires_grad_() for t in (q, k)]
+    refs = [rope_reference(t, rope.cos, rope.sin, cu, positions=pos) for t in ref_in]
+    qo, ko = rope(q, k, cu, position_ids=pos, max_position_id=199)
+    assert_close(qo, refs[0], name="q_out")
+    assert_close(ko, refs[1], name="k_out")
+    wq, wk = torch.randn(qo.shape, generator=gen), torch.randn(ko.shape, generator=gen)
+    got = torch.autograd.grad((qo * wq).sum() + (ko * wk).sum(), (q, k))
+    want = torch.autograd.grad((refs[0] * wq.double()).sum() + (refs[1] * wk.double()).sum(), ref_in)
+    assert_close(got[0], want[0], name="dq")
+    assert_close(got[1], want[1], name="dk")
+    with pytest.raises(ValueError, match="exceeds max_position_id"):
+        rope(q.detach(), k.detach(), cu, position_ids=pos, max_position_id=int(pos[: int(cu[-1])].max()) - 1)
