@@ -113,8 +113,8 @@ class ParallelConfig:
     """CP attention algorithm: ring (P2P K/V rotation), allgather (K/V all-gather), ulysses (all-to-all to head-sharded whole sequences), hybrid (Ulysses groups of ulysses_size ranks joined by a ring) or auto (chosen per batch by the cost model, cp_rope.parallel.cost_model; constants from --cp-calibration)."""
     ulysses_size: int = 1
     """hybrid only (and required there): ranks per Ulysses all-to-all group, > 1, dividing cp_size (cp_size = Ulysses; 1, the ring, is refused so that a forgotten flag does not silently run the ring)."""
-    cp_placement: Literal[PLACEMENTS] = "zigzag"
-    """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks) or per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag)."""
+    cp_placement: Literal[(*PLACEMENTS, AUTO)] = "zigzag"
+    """How documents are laid out over the CP ranks: zigzag (every document split in 2 x cp_size chunks), per_document (documents up to cp_split_threshold tokens stay whole on one rank; longer ones zigzag) or auto (placement and split threshold chosen per batch by the cost model: cp_rope.parallel.cost_model.AutoPlacement)."""
     cp_split_threshold: int | None = None
     """per_document only: longest document kept whole on one rank, in tokens (padded length); None = cp_rope.parallel.default_split_threshold(head_dim, cp_size) = 2 x cp_size x max(512, 65536 // head_dim), e.g. 2048 at head_dim 128 and cp_size 2."""
     attn_backend: Literal[BACKEND_CHOICES] = "auto"

@@ -38,7 +38,7 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
             raise ConfigError(f"parallel.cp_calibration: {exc}") from exc
         calibrate.use_calibration(cal)
         log(f"cp cost model: {cal.source} ({cal.device_name}, torch {cal.torch_version})")
-    if p.cp_self_test != "on" or cp_size == 1 and p.cp_method != "auto":
+    if p.cp_self_test != "on" or cp_size == 1 and "auto" not in (p.cp_method, p.cp_placement):
         return
     head_dim = m.dim // m.n_heads
     if p.cp_method == "auto":  # every method the chooser may pick for these heads
@@ -52,16 +52,18 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
     else:
         methods = [(p.cp_method, p.ulysses_size if p.cp_method == "hybrid" else None)]
     threshold = p.cp_split_threshold
+    places = ("zigzag", "per_document") if p.cp_placement == "auto" else (p.cp_placement,)
     t0 = time.perf_counter()
     worst = 0.0
-    for method, u in methods:
-        res = self_test(cp_group if cp_size > 1 else None, method=method,
-                        backend=p.attn_backend, placement=p.cp_placement, ulysses_size=u,
-                        split_threshold=threshold, q_heads=m.n_heads, kv_heads=m.n_kv_heads,
-                        head_dim=head_dim, dtype=dtype, device=device)
-        worst = max(worst, max(res.errors.values()))
+    for place in places:
+        for method, u in methods:
+            res = self_test(cp_group if cp_size > 1 else None, method=method,
+                            backend=p.attn_backend, placement=place, ulysses_size=u,
+                            split_threshold=threshold, q_heads=m.n_heads,
+                            kv_heads=m.n_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+            worst = max(worst, max(res.errors.values()))
     log(f"cp self-test: passed in {time.perf_counter() - t0:.2f} s ("
-        + ", ".join(m for m, _ in methods) + f", {p.cp_placement}, cp {cp_size}, "
+        + ", ".join(m for m, _ in methods) + f"; {', '.join(places)}; cp {cp_size}, "
         f"{str(dtype).removeprefix('torch.')}; largest relative difference {worst:.1e})")
 
 

@@ -426,6 +426,11 @@ def placement_args(parallel: ParallelConfig, model: ModelConfig) -> dict:
     and for ``per_document`` ``--cp-split-threshold`` or, unset,
     :func:`cp_rope.parallel.default_split_threshold` of the model's head_dim and cp_size."""
     threshold = parallel.cp_split_threshold
+    if parallel.cp_placement == "auto":  # chosen per batch by the cost model (auto_args)
+        return {"placement": "auto", "split_threshold": None, "auto_args": dict(
+            q_heads=model.n_heads, kv_heads=model.n_kv_heads, head_dim=model.dim // model.n_heads,
+            method=parallel.cp_method,
+            ulysses_size=parallel.ulysses_size if parallel.cp_method == "hybrid" else None)}
     if parallel.cp_placement == "per_document" and threshold is None:
         threshold = default_split_threshold(model.dim // model.n_heads, parallel.cp_size)
     return {"placement": parallel.cp_placement, "split_threshold": threshold}
@@ -434,7 +439,7 @@ def placement_args(parallel: ParallelConfig, model: ModelConfig) -> dict:
 def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_rank: int,
                  dp_size: int, dp_rank: int, seed: int, pin_memory: bool = False,
                  placement: str = "zigzag", split_threshold: int | None = None,
-                 ) -> tuple[DataLoader, TokenBudgetBatchSampler]:
+                 auto_args: dict | None = None) -> tuple[DataLoader, TokenBudgetBatchSampler]:
     """DataLoader of this rank's :class:`~cp_rope.parallel.PackedBatch` shards.
 
     Every rank of a CP group passes the same ``dp_rank``, so the group packs the
@@ -445,7 +450,9 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_ran
 
     ``placement`` / ``split_threshold``: as :class:`~cp_rope.parallel.PackingCollator`
     (``"per_document"``: documents of at most ``split_threshold`` tokens stay whole
-    on one rank).
+    on one rank). ``"auto"``: per batch, by the cost model
+    (:class:`cp_rope.parallel.cost_model.AutoPlacement` with ``auto_args``: the layer's
+    heads, head_dim, method, ulysses_size).
 
     Returns: ``(loader, sampler)``; the sampler carries the resumable data position.
     """
@@ -453,8 +460,13 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_ran
                                       seed=seed, dp_size=dp_size, dp_rank=dp_rank)
     collate = PackingCollator(cp_size=cp_size, cp_rank=cp_rank, pad_id=dataset.corpus.pad_id,
                               max_tokens=cfg.tokens_per_batch, max_seqlen=cfg.seq_len,
-                              vocab_size=dataset.corpus.vocab_size, placement=placement,
+                              vocab_size=dataset.corpus.vocab_size,
+                              placement="zigzag" if placement == "auto" else placement,
                               split_threshold=split_threshold)
+    if placement == "auto":
+        from cp_rope.parallel.cost_model import AutoPlacement
+
+        collate = AutoPlacement(collate, **auto_args)
     loader = DataLoader(SpanDataset(dataset), batch_sampler=sampler, collate_fn=collate,
                         num_workers=cfg.num_workers, pin_memory=pin_memory,
                         persistent_workers=cfg.num_workers > 0)

@@ -129,7 +129,9 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
         data_placement: how the data is placed (default ``placement``).
         seed: of the test's own generator (rank 0's numbers are broadcast).
 
-    The batch: documents of 1, 0, 7, ``split_threshold + 1`` (zigzag: ``8 cp_size + 1``), 13,
+    The batch: documents of 1, 0, 7, ``t + 1`` (zigzag: ``t = 8 cp_size``; per-document:
+    ``t = min(split_threshold, 32 cp_size)``, the test's own threshold, so that the batch
+    stays small while one document is split and the others stay whole), 13,
     ``2 cp_size + 1`` and 3 tokens, each padded to a multiple of ``2 cp_size``; random q, k,
     v, an output projection to 64 classes and labels. Compared: the loss, the attention
     output, dq, dk, dv (after RoPE's backward) and the projection's gradient, each as
@@ -162,6 +164,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     thr = split_threshold
     if thr is None and "per_document" in (placement, data_place):
         thr = default_split_threshold(head_dim, max(data_size, 1))
+    if thr is not None:  # the same code paths on a batch of seconds: at most 16 x 2C tokens
+        thr = min(thr, 32 * max(data_size, 1))
     gen = torch.Generator().manual_seed(seed)
     glob = _global_batch(max(data_size, 1), thr, gen)
     T = glob.input_ids.numel()
