@@ -51,18 +51,17 @@ flash-attn's benchmarks do: ``fwd = 4 * sum_b(L_b^2) / 2 * Hq * D``,
 (``torch.cuda.max_memory_allocated`` over one forward + backward, inputs and
 gradients included) and the part above the inputs (q, k, v, dout allocated before).
 
-Usage (repository root)::
+Usage (repository root; tables printed and written to ``<out>/cp_attention_cp<W>.md``)::
 
     python scripts/bench_cp_attention.py --simulate-cp 2 4 8 --out bench_out
     torchrun --nproc-per-node 2 scripts/bench_cp_attention.py --out bench_out
-
-The tables are printed and written to ``<out>/cp_attention_cp<W>.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import os
 import platform
 import random
@@ -187,6 +186,7 @@ def measure(args, run, leaves, dout) -> tuple[float, float, tuple[float, float]]
     fwd_bwd()  # graph / kernel caches before the memory measurement
     for t in leaves:
         t.grad = None
+    gc.collect()  # tensors of the last call held by reference cycles (seen with cudnn)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     inputs = torch.cuda.memory_allocated()

@@ -249,7 +249,7 @@ def test_cudnn_skewed_layouts_gpu(cp_size):
                           n_tokens=n, backend=backend)
                 plan = (CPAttentionPlan.build(cu, max(local), **kw) if cp_size == 1 else
                         CPAttentionPlan.simulated(cu, max(local), cp_size=cp_size, cp_rank=r, **kw))
-                leaves = [t.to(dtype).requires_grad_() for t in x[:3]]
+                leaves = [t.detach().to(dtype).requires_grad_() for t in x[:3]]
                 if backend == "cudnn":
                     assert get_backend("auto", leaves[0], plan.n_seqs).name == "cudnn"
                     _poison_allocator(device)
