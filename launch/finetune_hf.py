@@ -54,7 +54,13 @@ import tyro
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from cp_rope.hf import load_causal_lm, local_config, patch_model
+try:
+    from cp_rope.hf import load_causal_lm, local_config, patch_model
+except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
+    if __name__ == "__main__":
+        print(f"error: {_exc}", file=sys.stderr)
+        raise SystemExit(2) from None
+    raise
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cp_rope.positions import global_positions
 
@@ -318,7 +324,7 @@ def main(argv: list[str] | None = None) -> dict:
     created, _ = setup_distributed(cfg)
     try:
         tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
-                    memory_shapes=Shapes.from_hf_dir(fc.hf.model))
+                    memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf")
         if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
             path = os.path.join(cfg.train.out_dir, "config.json")
             with open(path, "w") as f:

@@ -274,7 +274,8 @@ class Trainer:
         return os.path.join(self.cfg.train.out_dir, "checkpoints")
 
 
-def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
+def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
+           program: str = "pretrain") -> Trainer:
     """Everything before the first step, inside an initialised process group.
 
     ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
@@ -284,6 +285,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     ``tok_embeddings`` and ``configure_attention`` (what :func:`parallelize` uses).
     ``--memory auto`` picks the memory flags (:func:`cp_rope.launch.plan_memory.auto_settings`)
     for ``memory_shapes`` (a :class:`~cp_rope.launch.plan_memory.Shapes`; default: ``cfg.model``'s).
+    ``program`` names the entry point in the first log line (``cp-rope <program>: world ...``).
 
     Validates ``cfg`` against the world size, checks the out-dir, builds the
     ``("dp", "cp")`` mesh, the data (corpus, dataset, this rank's loader), the
@@ -354,7 +356,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None) -> Trainer:
     if memory_note:
         log.write(memory_note)
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
-    log.write(f"cp-rope pretrain: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
+    log.write(f"cp-rope {program}: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
               f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
               f"tokens ({cfg.data.data or 'python stdlib'}; {run_data.tokenizer}), {len(dataset)} "
