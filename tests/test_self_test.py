@@ -94,11 +94,11 @@ def _trainer_body(rank, world, tmp):
 
     from cp_rope.launch.pretrain import main
 
-    common = tiny_pretrain_argv() + ["--cp-size", "2", "--steps", "3", "--fsdp", "off",
+    common = tiny_pretrain_argv() + ["--cp-size", "2", "--steps", "2", "--fsdp", "off",
                                      "--no-save-final"]
     on = main(common + ["--out-dir", f"{tmp}/on"])
     off = main(common + ["--out-dir", f"{tmp}/off", "--cp-self-test", "off"])
-    assert sorted(on["losses"]) == [1, 2, 3]
+    assert sorted(on["losses"]) == [1, 2]
     assert on["losses"] == off["losses"], (on["losses"], off["losses"])  # bit for bit
 
 
