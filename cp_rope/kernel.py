@@ -14,7 +14,8 @@ the cache length. Each program
    finds each row's sequence by a vectorized binary search over ``cu_seqlens``
    (``ceil(log2(n_seqs + 1))`` steps, a runtime loop; zero-length sequences
    cost nothing),
-2. and applies the load-balanced CP position formula (DESIGN.md) in-kernel,
+2. on the formula path, applies the load-balanced CP position formula
+   (DESIGN.md) in-kernel,
 3. gathers the cos/sin rows once and reuses them for every head it handles,
 4. loops over its heads: loads in the input dtype, rotates in float32, stores
    in the output dtype, and copies the pass-through dims ``>= rotary_dim``
