@@ -143,6 +143,8 @@ def _read_metrics(out_dir: str) -> dict:
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
         rows = [json.loads(line) for line in f if line.strip()]
     rows = [r for r in rows if "tokens_per_s" in r]
+    if not rows:
+        return {"steps": 0}
     timed = [r for r in rows if r["step"] >= 2] or rows
     out = {"steps": len(rows), "peak_gib": max(r["peak_mem_gib"] for r in rows),
            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed)}
