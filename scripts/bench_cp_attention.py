@@ -186,7 +186,7 @@ def measure(args, run, leaves, dout) -> tuple[float, float, tuple[float, float]]
     fwd_bwd()  # graph / kernel caches before the memory measurement
     for t in leaves:
         t.grad = None
-    gc.collect()  # tensors of the last call held by reference cycles (seen with cudnn)
+    gc.collect()  # tensors of earlier calls that reference cycles may still hold
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     inputs = torch.cuda.memory_allocated()
