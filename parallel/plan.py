@@ -386,6 +386,9 @@ def _position(group) -> tuple[dist.ProcessGroup | None, int, int]:
     """
     if isinstance(group, _SimulatedGroup):
         return None, group.size, group.rank
+    if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        raise ValueError("group: this process is not a member of the CP group (new_group "
+                         "returns a placeholder on the ranks outside it)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__} {group!r}")

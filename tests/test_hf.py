@@ -311,6 +311,10 @@ def _finetune_body(rank: int, world: int, tmp: str) -> None:
     second = main(common + ["--out-dir", f"{tmp}/split", "--resume"])
     losses = full["losses"]
     assert losses[3] < losses[1], losses  # it learns
+    # --cp-placement per_document (short documents whole on one rank): the same first loss
+    placed = main(common + ["--out-dir", f"{tmp}/placed", "--cp-placement", "per_document",
+                            "--cp-split-threshold", "16", "--steps", "1"])
+    assert abs(placed["losses"][1] - losses[1]) <= 1e-5 * abs(losses[1]), (placed, losses)
     assert first["hf_model"] is None and first["losses"] == {1: losses[1], 2: losses[2]}
     assert second["start_step"] == 2 and second["losses"] == {3: losses[3]}  # bit-for-bit
     if rank == 0:  # save_pretrained: loadable, trained, and the resumed run's weights equal

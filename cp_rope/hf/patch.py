@@ -256,6 +256,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
     method = check_choice("method", method, (*METHODS, AUTO))
     backend = check_choice("backend", backend, BACKEND_CHOICES)
+    if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
+        raise ValueError("group: this process is not a member of the CP group passed to "
+                         "patch_model (pass the group of ranks that share its sequences)")
     if group is not None and not isinstance(group, dist.ProcessGroup):
         raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
                         f"{type(group).__name__} {group!r} (e.g. dist.group.WORLD)")
