@@ -173,10 +173,10 @@ class StepStats:
 
     def __init__(self, token_bytes: np.ndarray | None, *, cp_size: int, group, device):
         self.token_bytes, self.cp, self.group, self.device = token_bytes, cp_size, group, device
-        self._counts = (0, 0)  # the last step's labelled tokens, bytes (this rank)
+        self._counts: list[tuple[int, int]] = []  # per step since the last log: tokens, bytes
         self._work = np.zeros(cp_size)
-        self.bpb: dict[int, float] = {}
-        """Bits per byte of each logged step."""
+        self.bpb: dict[int, tuple[float, int]] = {}
+        """Bits per byte of each log window, by its last step: ``(value, steps in it)``."""
         self.held_out: dict[int, float] = {}
         """Held-out bits per byte of each evaluated step (rank 0 fills it)."""
 
@@ -185,21 +185,26 @@ class StepStats:
         labels = batch.labels.numpy()
         real = labels[labels >= 0]
         n_bytes = int(self.token_bytes[real].sum()) if self.token_bytes is not None else 0
-        self._counts = (real.size, n_bytes)
+        self._counts.append((real.size, n_bytes))
         if self.cp > 1:
             self._work += cp_rank_work(batch)
 
-    def fields(self, step: int, loss: float) -> dict:
-        """``bpb`` of the last step (``loss`` x the group's labelled tokens = its NLL sum) and,
-        for CP, ``cp_work`` (each rank's attention pairs since the previous log, this rank's
-        group) and ``cp_balance`` (max / mean of them). All ranks call it together."""
-        out = {}
-        if self.token_bytes is not None:
+    def fields(self, step: int, losses: dict[int, float]) -> dict:
+        """``bpb``: bits per byte of the steps since the previous log (``losses[s]``, the group
+        mean of step ``s``, times the group's labelled tokens is its NLL sum; over the bytes of
+        those tokens); for CP, ``cp_work`` (each rank's attention pairs in those steps, this
+        rank's group) and ``cp_balance`` (max / mean of them). All ranks call it together."""
+        out, k = {}, len(self._counts)
+        if self.token_bytes is not None and k:
             counts = torch.tensor(self._counts, dtype=torch.float64, device=self.device)
             if dist.is_initialized() and dist.get_world_size(self.group) > 1:
                 dist.all_reduce(counts, group=self.group)
-            n, n_bytes = counts.tolist()
-            out["bpb"] = self.bpb[step] = bits_per_byte(loss * n, n_bytes)
+            loss = torch.tensor([losses[s] for s in range(step - k + 1, step + 1)],
+                                dtype=torch.float64, device=self.device)
+            value = bits_per_byte(float((loss * counts[:, 0]).sum()), float(counts[:, 1].sum()))
+            out["bpb"] = value
+            self.bpb[step] = (value, k)
+        self._counts = []
         if self.cp > 1:
             out["cp_work"] = self._work.tolist()
             mean = self._work.mean()
@@ -208,11 +213,13 @@ class StepStats:
         return out
 
     def done_text(self) -> str:
-        """The ``done:`` line's bits per byte (first and last logged; the last held-out)."""
+        """The ``done:`` line's bits per byte (the first and last log windows; the last
+        held-out evaluation)."""
         parts = []
         if self.bpb:
-            first, last = self.bpb[min(self.bpb)], self.bpb[max(self.bpb)]
-            parts.append(f"; bits/byte {first:.3f} (first logged) -> {last:.3f} (last)")
+            (first, k1), (last, k2) = self.bpb[min(self.bpb)], self.bpb[max(self.bpb)]
+            parts.append(f"; bits/byte {first:.3f} (first {k1} step{'s' * (k1 > 1)}) -> "
+                         f"{last:.3f} (last {k2})")
         if self.held_out:
             step = max(self.held_out)
             parts.append(f"; held-out {self.held_out[step]:.3f} bits/byte (step {step})")
@@ -225,7 +232,7 @@ def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
     bits per byte all-reduce, and a held-out evaluation (``tr.held_out``) runs when due."""
     window = tr.throughput.window()
     tps, world = window["tokens_per_s"], tr.dims.world_size
-    stats = tr.stats.fields(tr.step, loss) if tr.stats is not None else {}
+    stats = tr.stats.fields(tr.step, tr.losses) if tr.stats is not None else {}
     metrics = {"loss": loss, **stats, "lr": lr, "grad_norm": grad_norm,
                "tokens_per_s": tps, "tokens_per_s_per_gpu": window["tokens_per_s_per_gpu"],
                "peak_mem_gib": peak_memory_gib(tr.device)}
@@ -238,7 +245,8 @@ def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
         if tr.stats is not None and "eval_bpb" in metrics:
             tr.stats.held_out[tr.step] = metrics["eval_bpb"]
     tr.log.log(tr.step, metrics)
-    bpb = f" ({metrics['bpb']:.3f} bits/byte)" if "bpb" in metrics else ""
+    k = tr.stats.bpb[tr.step][1] if "bpb" in metrics else 0
+    bpb = f" | {metrics['bpb']:.3f} bits/byte ({k} step{'s' * (k > 1)})" if k else ""
     held = (f" | held-out loss {metrics['eval_loss']:.4f}"
             + (f" ({metrics['eval_bpb']:.3f} bits/byte)" if "eval_bpb" in metrics else "")
             if "eval_loss" in metrics else "")

@@ -6,8 +6,8 @@
     python -m cp_rope.launch.plot runs/a runs/b --out compare.png               # overlay
 
 Reads each run's ``metrics.jsonl`` (a run still in progress too: a half-written last line
-is skipped) and draws, over optimizer steps: the loss (raw and an exponential moving
-average), bits per byte (training, and held-out as markers), the learning rate, tokens/s
+is skipped) and draws, over optimizer steps: the loss (each logged step and a centred moving
+average), bits per byte (training: over each log window; held-out as markers), the learning rate, tokens/s
 per GPU, peak memory, MFU (GPU runs) and, for CP runs, each rank's share of the attention
 work of the batches it saw (``cp_work``: 1.0 = the group's mean). Needs matplotlib
 (``pip install -e ".[plot]"``, which ``scripts/setup.sh`` does); the trainer without it
@@ -31,7 +31,7 @@ _PANELS = (  # (title, y label, training key, held-out key)
     ("peak memory", "peak memory (GiB)", "peak_mem_gib", None),
     ("MFU", "MFU (%)", "mfu", None),
     ("gradient norm", "gradient L2 norm", "grad_norm", None),
-    ("CP balance", "work / group mean", "cp_work", None),
+    ("CP balance", "attention work / group mean", "cp_work", None),
 )
 HINT = ('pip install matplotlib (or pip install -e ".[plot]") for report.png, then '
         "python -m cp_rope.launch.plot {run}")
@@ -69,12 +69,11 @@ def _series(records: list[dict], key: str) -> tuple[list[int], list]:
     return [s for s, _ in pts], [v for _, v in pts]
 
 
-def _ema(values: list[float], alpha: float) -> list[float]:
-    out, acc = [], None
-    for v in values:
-        acc = v if acc is None else alpha * v + (1 - alpha) * acc
-        out.append(acc)
-    return out
+def _moving_average(values: list[float], k: int) -> list[float]:
+    """Centred mean over ``k`` points (odd; fewer at the ends): smooth, without an EMA's lag."""
+    h = k // 2
+    return [sum(values[max(0, i - h):i + h + 1]) / len(values[max(0, i - h):i + h + 1])
+            for i in range(len(values))]
 
 
 def plot_runs(run_dirs: list[str], out: str | None = None, labels: list[str] | None = None) -> str:
@@ -135,12 +134,14 @@ def make_figure(run_dirs: list[str], labels: list[str] | None = None):
             prefix = f"{name} " if len(runs) > 1 else ""
             if values:
                 drawn = True
-                smooth = key in ("loss", "bpb") and len(values) > 4
-                ax.plot(steps, values, color=color, alpha=0.35 if smooth else 1.0, lw=1,
-                        label=f"{prefix}train" if held_key else name)
+                smooth = key == "loss" and len(values) > 4  # bpb: already over each log window
+                ax.plot(steps, values, color=color, alpha=0.35 if smooth else 1.0,
+                        lw=1 if smooth else 1.5, label=name if not held_key else
+                        f"{prefix}train" + (" (each log window)" if key == "bpb" else ""))
                 if smooth:
-                    ax.plot(steps, _ema(values, 0.2), color=color, lw=2,
-                            label=f"{prefix}train, EMA (0.2)")
+                    k = max(3, len(values) // 6 | 1)
+                    ax.plot(steps, _moving_average(values, k), color=color, lw=2,
+                            label=f"{prefix}train, mean of {k} logged steps")
             if held_key:
                 hs, hv = _series(recs, held_key)
                 if hv:
@@ -153,7 +154,7 @@ def make_figure(run_dirs: list[str], labels: list[str] | None = None):
             ax.set_ylim(bottom=0)
         if drawn and (len(runs) > 1 or held_key or key == "cp_work"):
             ax.legend(fontsize=8)
-        else:
+        if not drawn:
             why = {"mfu": "no MFU logged\n(device peak FLOP/s unknown:\nCPU, or --peak-tflops)",
                    "cp_work": "no CP balance logged (cp_size 1)", "bpb": "no bits per byte (.bin corpus)",
                    "eval_loss": ""}.get(key, "not logged")

@@ -189,14 +189,14 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
     except (OSError, ValueError, KeyError):
         pass
     bos, eos = (tok.token_to_id(s) for s in BPE_SPECIALS)
-    encoded = tok.encode_batch_fast(texts, add_special_tokens=False)
     dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
-    lengths = np.array([len(e.ids) + 2 for e in encoded], np.int64)
-    tokens = np.empty(int(lengths.sum()), dtype)
+    docs = []  # in chunks: an Encoding object per document costs far more than its ids
+    for k in range(0, len(texts), 64):
+        docs += [np.array([bos, *e.ids, eos], dtype) for e in
+                 tok.encode_batch_fast(texts[k:k + 64], add_special_tokens=False)]
+    tokens = np.concatenate(docs)
     offsets = np.zeros(len(texts) + 1, np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    for e, s, n in zip(encoded, offsets[:-1].tolist(), lengths.tolist(), strict=True):
-        tokens[s], tokens[s + 1:s + n - 1], tokens[s + n - 1] = bos, e.ids, eos
+    np.cumsum([d.size for d in docs], out=offsets[1:])
     with open(cache + ".tmp", "wb") as f:
         np.savez(f, key=np.array(corpus_key), tokens=tokens, offsets=offsets)
     os.replace(cache + ".tmp", cache)

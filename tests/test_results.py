@@ -79,9 +79,17 @@ def test_bits_per_byte_hand_computed():
     shard.labels = labels
     stats = StepStats(table, cp_size=1, group=None, device=torch.device("cpu"))
     stats.add(shard)
-    fields = stats.fields(7, mean)
-    assert fields["bpb"] == pytest.approx(expected, rel=1e-12) and stats.bpb == {7: fields["bpb"]}
-    assert "bits/byte" in stats.done_text()
+    fields = stats.fields(7, {7: mean})
+    assert fields["bpb"] == pytest.approx(expected, rel=1e-12) and stats.bpb == {7: (fields["bpb"], 1)}
+    # a log window of two steps: (NLL_1 + NLL_2) / (ln 2 * (bytes_1 + bytes_2))
+    second = Shard()
+    second.labels = torch.tensor([2, 2, -100])  # 10 bytes, mean loss 0.9 over 2 tokens
+    stats.add(shard)
+    stats.add(second)
+    two = stats.fields(9, {8: mean, 9: 0.9})["bpb"]
+    assert two == pytest.approx((3 * mean + 2 * 0.9) / (math.log(2) * (8 + 10)), rel=1e-12)
+    assert stats.done_text() == (f"; bits/byte {expected:.3f} (first 1 step) -> {two:.3f} "
+                                 "(last 2)")
 
 
 def _group_bpb_body(rank, world_size):
@@ -97,7 +105,7 @@ def _group_bpb_body(rank, world_size):
     stats = StepStats(table, cp_size=1, group=None, device=torch.device("cpu"))
     stats.add(shard)
     loss = 1.7  # the group mean over all 3 + 4 labelled tokens
-    bpb = stats.fields(1, loss)["bpb"]
+    bpb = stats.fields(1, {1: loss})["bpb"]
     n_bytes = (1 + 3 + 3) + (2 + 0 + 0 + 1)
     assert bpb == pytest.approx(loss * 7 / (math.log(2) * n_bytes), rel=1e-12), (rank, bpb)
 
@@ -213,8 +221,8 @@ def test_run_logs_bits_per_byte_and_held_out_eval_and_draws_its_report(tmp_path,
     held = records[-1]
     assert held["eval_loss"] == pytest.approx(held["eval_bpb"] * math.log(2) * held["eval_bytes"]
                                               / held["eval_tokens"], rel=1e-12)
-    assert re.search(r"done: .*bits/byte [\d.]+ \(first logged\) -> [\d.]+ \(last\); held-out "
-                     r"[\d.]+ bits/byte \(step 3\)", printed), printed
+    assert re.search(r"done: .*bits/byte [\d.]+ \(first 1 step\) -> [\d.]+ \(last 1\); "
+                     r"held-out [\d.]+ bits/byte \(step 3\)", printed), printed
     assert "held-out loss" in printed and os.path.isfile(out / "report.png")
     assert f"report: {out / 'report.png'}" in printed
     main(argv + ["--steps", "4", "--resume"])
@@ -247,12 +255,13 @@ def test_plot_finished_and_partial_runs(tmp_path):
     labels = {ax.get_title(): (ax.get_xlabel(), ax.get_ylabel()) for ax in fig.axes}
     assert labels["loss"] == ("step", "loss (nats / token)")
     assert labels["bits per byte"] == ("step", "bits / byte")
-    assert labels["CP balance"] == ("step", "work / group mean")
+    assert labels["CP balance"] == ("step", "attention work / group mean")
     assert {x for x, _ in labels.values()} == {"step"} and all(y for _, y in labels.values())
     (bpb_ax,) = [ax for ax in fig.axes if ax.get_title() == "bits per byte"]
     names = [line.get_label() for line in bpb_ax.get_lines()]
-    assert "running train" in names and "done held-out" in names
-    (running_line,) = [ln for ln in bpb_ax.get_lines() if ln.get_label() == "running train"]
+    assert "running train (each log window)" in names and "done held-out" in names
+    (running_line,) = [ln for ln in bpb_ax.get_lines()
+                       if ln.get_label() == "running train (each log window)"]
     assert list(running_line.get_xdata()) == list(range(1, 8))  # the half-written line skipped
     out = str(tmp_path / "cmp.png")
     assert plot.main([done, running, "--out", out]) == 0 and os.path.getsize(out) > 10_000
