@@ -67,10 +67,11 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
         f"{str(dtype).removeprefix('torch.')}; largest relative difference {worst:.1e})")
 
 
-def auto_choice_line(step: int) -> str | None:
-    """The step log's line for ``--cp-method auto``: what the cost model picked for the latest
-    batch (and the runners-up with their predicted times), or None before any pick."""
+def log_auto_choice(write, cfg: PretrainConfig, step: int) -> None:
+    """Under ``--cp-method auto`` / ``--cp-placement auto``: ``write`` the cost model's pick for
+    the latest batch (with the runners-up and their predicted times), once one was made."""
     from cp_rope.parallel._choose import last_choice
 
     choice = last_choice()
-    return None if choice is None else f"step {step} cp {choice.summary()}"
+    if "auto" in (cfg.parallel.cp_method, cfg.parallel.cp_placement) and choice is not None:
+        write(f"step {step} cp {choice.summary()}")

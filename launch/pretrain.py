@@ -54,7 +54,7 @@ from .checkpoint import load_checkpoint, resume_checkpoint, run_identity, save_c
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
 from .config import ConfigError, PretrainConfig, to_dict, validate
-from .cp_startup import auto_choice_line, cp_start_up
+from .cp_startup import cp_start_up, log_auto_choice
 from .data import TokenDataset, build_loader, padded_vocab_size, placement_args
 from .evaluate import HeldOut
 from .metrics import MetricsLogger, StepStats, Throughput, log_step, peak_memory_gib, peak_tflops
@@ -419,8 +419,7 @@ def train_loop(tr: Trainer) -> None:
             if tr.step % cfg.train.log_every == 0 or tr.step == last or (
                     tr.held_out is not None and tr.held_out.due(tr.step)):
                 log_step(tr, loss_val, lr, grad_norm)  # and the held-out evaluation when due
-                if cfg.parallel.cp_method == "auto" and auto_choice_line(tr.step):
-                    tr.log.write(auto_choice_line(tr.step))  # the cost model's per-batch pick
+                log_auto_choice(tr.log.write, cfg, tr.step)  # the cost model's pick, if auto
             if cfg.train.checkpoint_every and tr.step % cfg.train.checkpoint_every == 0 \
                     and tr.step < last:
                 save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,
