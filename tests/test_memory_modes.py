@@ -211,3 +211,37 @@ def test_transformers_decoder_layers_give_the_same_gradients(mode, offload):
     expected, got = _grads(ref, loss), _grads(model, loss)
     for name, g in expected.items():
         assert torch.equal(got[name], g), f"{mode}: {name}"
+
+
+def _cp2_body(rank, world_size):
+    """cp 2 over gloo (ring): each rank's gradients of every mode with offload == no
+    checkpointing, bit for bit (the recomputation runs the ring's exchanges again)."""
+    import torch.distributed as dist
+
+    from cp_rope.parallel import PackingCollator, shard_batch
+
+    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=48,
+                      vocab_size=50, max_seq_len=64)
+    g = torch.Generator().manual_seed(5)
+    docs = [{"input_ids": torch.randint(0, 50, (n,), generator=g)} for n in (13, 22, 7)]
+    batch = shard_batch(PackingCollator(cp_size=2)(docs), 2, rank)
+    grads = {}
+    for mode, offload in [("none", False), ("full", True), ("selective", True)]:
+        torch.manual_seed(1)
+        model = Transformer(cfg)
+        model.configure_attention(cp_group=dist.group.WORLD)
+        off = apply_activation_checkpointing(model, mode, offload=offload)
+        if off is not None:
+            off.min_bytes = 0
+        out = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+        out.log_softmax(-1).square().mean().backward()
+        grads[mode] = {n: p.grad for n, p in model.named_parameters()}
+    for mode in ("full", "selective"):
+        for name, ref in grads["none"].items():
+            assert torch.equal(grads[mode][name], ref), f"rank {rank} {mode}: {name}"
+
+
+def test_cp2_ring_modes_with_offload_give_the_same_gradients():
+    from dist_utils import run_distributed
+
+    run_distributed(_cp2_body, 2, timeout_s=120)
