@@ -119,8 +119,11 @@ def _broadcast(obj):
 
 
 def _sha256(path: str) -> str:
+    digest = hashlib.sha256()  # (hashlib.file_digest needs Python 3.11; pyproject allows 3.10)
     with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _fsync_dir(path: str) -> None:
