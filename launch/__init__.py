@@ -15,7 +15,10 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.data`: corpora (Python stdlib, JSONL, .txt, .bin), tokenizers, the packed loader.
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
 * :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``).
-* :mod:`cp_rope.launch.metrics`: throughput and MFU arithmetic, rank-0 logging.
+* :mod:`cp_rope.launch.tokenizer`: the run's tokenizer (the main job's byte-level BPE, trained
+  once per run directory) and held-out split; :mod:`cp_rope.launch.evaluate`: the held-out loss.
+* :mod:`cp_rope.launch.metrics`: throughput, MFU and bits-per-byte arithmetic, rank-0 logging.
+* :mod:`cp_rope.launch.plot`: ``report.png`` of a run, ``python -m cp_rope.launch.plot RUN...``.
 * :mod:`cp_rope.launch.finetune_hf`: the same trainer on a local transformers checkpoint
   (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``).
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.

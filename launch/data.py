@@ -332,11 +332,11 @@ def load_corpus(cfg: DataConfig, vocab_size: int = 0) -> Corpus:
 
 def eval_doc_count(eval_docs: int | None, num_docs: int) -> int:
     """Held-out documents of a corpus of ``num_docs``: ``eval_docs``, or when None
-    ``min(16, num_docs // 10)`` (none for fewer than 10 documents).
+    ``min(8, num_docs // 10)`` (none for fewer than 10 documents).
 
     Raises: ConfigError naming ``data.eval_docs`` when it leaves no training document.
     """
-    n = min(16, num_docs // 10) if eval_docs is None else eval_docs
+    n = min(8, num_docs // 10) if eval_docs is None else eval_docs
     if n >= num_docs:
         raise ConfigError(f"data.eval_docs={eval_docs} (--eval-docs): the corpus has {num_docs} "
                           "documents; hold out fewer (0 = no held-out evaluation)")
