@@ -149,6 +149,27 @@ def content_checks_enabled(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" or os.environ.get("CP_ROPE_DEBUG", "0") not in ("", "0")
 
 
+def check_token_ids(name: str, ids: torch.Tensor, vocab_size: int) -> None:
+    """Token ids must index the embedding: every value in ``[0, vocab_size)``.
+
+    Reads the values (so it runs when :func:`content_checks_enabled`: CPU tensors, or
+    ``CP_ROPE_DEBUG=1``), otherwise it only checks the dtype.
+
+    Raises: TypeError naming ``name`` for a non-integer tensor; ValueError naming ``name``,
+    the offending id and ``vocab_size`` for an id outside the vocabulary (the embedding's
+    own error is a bare ``IndexError: index out of range in self``, or a device assert).
+    """
+    if not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor of token ids, got "
+                        f"{getattr(ids, 'dtype', type(ids).__name__)}")
+    if ids.numel() and content_checks_enabled(ids):
+        lo, hi = int(ids.min()), int(ids.max())
+        if lo < 0 or hi >= vocab_size:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"{name} holds token id {bad}, outside the model's vocabulary "
+                             f"[0, {vocab_size}) (vocab_size={vocab_size})")
+
+
 def check_cu_seqlens_content(cu_seqlens: torch.Tensor, *, n_tokens: int | None = None,
                              cp_size: int = 1, max_seqlen: int | None = None,
                              n_positions: int | None = None, name: str = "cu_seqlens") -> None:

@@ -27,6 +27,7 @@ from cp_rope.parallel import (
     cp_linear_cross_entropy,
 )
 from cp_rope.parallel.tiled_mlp import tiled_mlp
+from cp_rope.validation import check_token_ids
 
 from .config import ModelConfig
 
@@ -221,6 +222,7 @@ class Transformer(nn.Module):
                 position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
+        check_token_ids("input_ids", input_ids, self.tok_embeddings.num_embeddings)
         h = self.tok_embeddings(input_ids)
         if plan is None:  # once per forward (the step's batch), before the layers
             plan = self.attention_plan(cu_seqlens if placement is None else placement,
@@ -230,7 +232,6 @@ class Transformer(nn.Module):
             raise ValueError("plan: pass the batch's plan alone (its cu_seqlens and placement "
                              "are the plan's), or cu_seqlens / placement without a plan")
         ctx = _Ctx(plan, self.rope_backend)
-        h = self.tok_embeddings(input_ids)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)
         return self.head(self.norm(h), labels=labels, loss_group=loss_group)

@@ -180,3 +180,25 @@ def test_round3_catalogue_is_complete():
         tree = ast.parse(open(os.path.join(HERE, module)).read())
         names = {n.name for n in ast.walk(tree) if isinstance(n, ast.FunctionDef)}
         assert name in names, (kind, where)
+
+
+# ------------------------------------------------------------------ item 14: an id == vocab_size
+def test_native_model_input_id_outside_vocab():
+    from cp_rope.launch.config import ModelConfig
+    from cp_rope.launch.model import Transformer
+    model = Transformer(ModelConfig(dim=32, n_layers=1, n_heads=2, n_kv_heads=1,
+                                    ffn_hidden_dim=64, vocab_size=50, max_seq_len=64))
+    ids = torch.randint(0, 50, (8,))
+    ids[5] = 50
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"input_ids holds token id 50.*\[0, 50\)"):
+        model(ids, cu, 8)
+
+
+def test_patched_model_input_id_outside_vocab():
+    from cp_rope.hf import model_inputs, patch_model
+    from cp_rope.parallel import PackingCollator
+    model = patch_model(_llama())
+    batch = PackingCollator()([{"input_ids": torch.tensor([1, 2, 100, 3])}])
+    with pytest.raises(ValueError, match=r"input_ids holds token id 100.*vocab_size=100"):
+        model(**model_inputs(batch))

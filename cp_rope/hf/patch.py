@@ -16,7 +16,12 @@ from cp_rope.ops import apply_rotary_emb_qk
 from cp_rope.parallel import PackedBatch, attention_plan, context_parallel_attention
 from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS
 from cp_rope.positions import global_positions
-from cp_rope.validation import check_bool, check_choice, content_checks_enabled
+from cp_rope.validation import (
+    check_bool,
+    check_choice,
+    check_token_ids,
+    content_checks_enabled,
+)
 
 from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
 from .tiled_mlp import check_tile_tokens, tile_mlps
@@ -377,6 +382,8 @@ def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
                 "(e.g. 'ntk', 'yarn') or shorter documents")
         if content_checks_enabled(pos) and content_checks_enabled(cu):
             _check_positions(patch, pos, cu, placement)
+        if kwargs.get("input_ids") is not None:
+            check_token_ids("input_ids", kwargs["input_ids"], embed.num_embeddings)
 
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     weight = embed.weight  # the compute dtype (FSDP2 has cast the unsharded copy by now)
