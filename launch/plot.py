@@ -169,10 +169,13 @@ def _draw_balance(ax, steps, works, name: str, color) -> bool:
     if not works:
         return False
     n_ranks = len(works[0])
+    lo, hi = 0.8, 1.2  # at least +-20%: a balanced run reads as a flat line at 1
     for r in range(n_ranks):
         share = [w[r] / (sum(w) / len(w)) if sum(w) > 0 else 1.0 for w in works]
-        ax.plot(steps, share, lw=1.2, color=color if name else None,
+        lo, hi = min(lo, *share), max(hi, *share)
+        ax.plot(steps, share, lw=1.2, color=color if name else None, ls=("-", "--", ":", "-.")[r % 4],
                 alpha=0.4 + 0.6 * (r + 1) / n_ranks, label=f"{name} rank {r}".strip())
+    ax.set_ylim(min(lo, ax.get_ylim()[0]), max(hi, ax.get_ylim()[1]))
     return True
 
 
