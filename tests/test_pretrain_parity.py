@@ -36,7 +36,7 @@ from cp_rope.launch.config import (  # noqa: E402
     TrainConfig,
 )
 from cp_rope.launch.model import Transformer  # noqa: E402
-from cp_rope.launch.parallelize import apply_fsdp, parallelize  # noqa: E402
+from cp_rope.launch.parallelize import apply_fsdp, checkpoint_mode, parallelize  # noqa: E402
 from cp_rope.launch.pretrain import train_step  # noqa: E402
 from cp_rope.parallel import PackingCollator, shard_batch  # noqa: E402
 from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
@@ -44,11 +44,12 @@ from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
 VOCAB = 61
 
 
-def _model_cfg(activation_checkpointing: bool = False) -> ModelConfig:
+def _model_cfg(activation_checkpointing: bool | str = False, offload: bool = False) -> ModelConfig:
     # head_dim 16, GQA 4:2, two blocks: small enough for the CPU, every piece exercised.
     return ModelConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_hidden_dim=96,
                        vocab_size=VOCAB, max_seq_len=512,
-                       activation_checkpointing=activation_checkpointing)
+                       activation_checkpointing=activation_checkpointing,
+                       offload_activations=offload)
 
 
 def _docs(seed: int, dp: int) -> list[list[torch.Tensor]]:
@@ -113,7 +114,7 @@ GPU_GRAD_NORM_RTOL = 2e-2
 
 
 def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
-                ac: bool = False, method: str = "ring", placement: str = "zigzag") -> None:
+                ac: bool | str = False, method: str = "ring", placement: str = "zigzag") -> None:
     """CPU: fp32 model, plain all-reduce (or FSDP2 fp32), elementwise fp32 tolerances. GPU: the
     production FSDP2 bf16 path (loss scaled by the world size, reduce-scatter average), bf16
     tolerances."""
@@ -138,11 +139,11 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
     # The production wiring: CP over mesh["cp"], activation checkpointing, FSDP2 or a cast.
     model = _build(device)
     parallelize(model, mesh, PretrainConfig(
-        model=_model_cfg(activation_checkpointing=ac),
+        model=_model_cfg(activation_checkpointing=ac, offload=ac == "selective"),
         parallel=ParallelConfig(cp_size=cp, fsdp="on" if fsdp else "off", cp_method=method,
                                 ulysses_size=2 if method == "hybrid" else 1),
         train=TrainConfig(dtype="bfloat16" if gpu else "float32")))
-    assert model.cp_size == cp and all(getattr(b, "checkpoint_mode", "none") == ("full" if ac else "none")
+    assert model.cp_size == cp and all(getattr(b, "checkpoint_mode", "none") == checkpoint_mode(ac)
                                        for b in model.layers)
     loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
@@ -171,10 +172,12 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
 
 def _parity_body(rank: int, world: int, cases) -> None:
     torch.manual_seed(0)
-    for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing), a method
+    for dp, cp, labels, *opts in cases:  # opts: "fsdp", "ac" (activation checkpointing; "sel":
+        # selective with offload), a method
         method = next((o for o in opts if o in ("allgather", "ulysses", "hybrid")), "ring")
         placement = "per_document" if "per_document" in opts else "zigzag"
-        _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac="ac" in opts,
+        ac = "selective" if "sel" in opts else "ac" in opts
+        _check_case(dp, cp, labels, torch.device("cpu"), fsdp="fsdp" in opts, ac=ac,
                     method=method, placement=placement)
 
 
@@ -189,6 +192,7 @@ def test_parity_cp2():
     run_distributed(_parity_body, 2, [(1, 2, "all"), (1, 2, "one"), (1, 2, "none"), (2, 1, "all"),
                                       (1, 2, "all", "fsdp"), (1, 2, "one", "fsdp"),
                                       (1, 2, "all", "fsdp", "ac"), (1, 2, "one", "ac"),
+                                      (1, 2, "all", "fsdp", "sel"),
                                       (1, 2, "all", "per_document"),
                                       (1, 2, "one", "per_document", "fsdp", "ac")])
 
