@@ -31,7 +31,7 @@ except ImportError:  # pragma: no cover - kept for a torch that moves it
 
 __all__ = ["SUPPORTED_TORCH", "DCP_ERRORS", "dcp_named_files", "failure_cause", "torch_version"]
 
-SUPPORTED_TORCH = ">=2.6"
+SUPPORTED_TORCH = ">=2.7"
 """The torch versions cp-rope supports (pyproject.toml's ``dependencies``; README)."""
 
 DCP_ERRORS: tuple[type[BaseException], ...] = (Exception, CheckpointException)

@@ -21,7 +21,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 REPO=$(pwd)
-ENTRIES=${CP_ROPE_MATRIX:-"oldest=2.6.0 cuda-images=2.11.0 newest=2.15.0"}
+ENTRIES=${CP_ROPE_MATRIX:-"oldest=2.7.1 cuda-images=2.11.0 newest=2.15.0"}
 DIR=${CP_ROPE_MATRIX_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/cp-rope/matrix}
 MAIN_PY=${CP_ROPE_MAIN_PYTHON:-.venv/bin/python}  # made absolute, not through its links (a
 case $MAIN_PY in  # venv's python is a link to the base interpreter, which lacks the venv)
