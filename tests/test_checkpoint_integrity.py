@@ -158,6 +158,23 @@ def test_resume_skips_a_damaged_newest_checkpoint(kind, reference, tmp_path, cap
     _assert_same_run(resumed, run, reference)
 
 
+def test_resume_refuses_a_checkpoint_of_another_run(reference, tmp_path):
+    """Checkpoints copied from another run (here: seed 0) into a run dir whose config.json says
+    seed 1 pass the config.json check and verify, but their manifest names the run that wrote
+    them: --resume --seed 1 stops before loading, naming both seeds (issue 22 item 7)."""
+    run = _copy_run(reference[0], tmp_path / "run")
+    with open(os.path.join(run, "config.json")) as f:
+        config = json.load(f)
+    config["train"]["seed"] = 1
+    with open(os.path.join(run, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(CheckpointError, match=r"step_00000003 was written by another run "
+                                              r"\(train\.seed: 0 \(checkpoint\) != 1 \(this run\).*"
+                                              r"nothing was loaded"):
+        main(RUN + ["--out-dir", run, "--resume", "--seed", "1"])
+    assert not dist.is_initialized()
+
+
 def test_resume_refuses_when_no_checkpoint_verifies(reference, tmp_path):
     """Every checkpoint damaged: a clear error listing each (starting over would discard the run)."""
     run = _copy_run(reference[0], tmp_path / "run")
