@@ -147,7 +147,7 @@ def _load_meta(path: str) -> dict:
 def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
     """Rank 0: make sure out_dir holds the BPE of this corpus and the corpus encoded with it."""
     out, d, seed = cfg.train.out_dir, cfg.data, cfg.train.seed
-    tok_path, meta_path, cache = (os.path.join(out, f) for f in _FILES)
+    tok_path, meta_file, cache = (os.path.join(out, f) for f in _FILES)
     os.makedirs(out, exist_ok=True)
     texts = [t.decode("utf-8", errors="replace") if isinstance(t, bytes) else t
              for t in _read_texts(d)]
@@ -156,7 +156,7 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
     held = set(held_out_ids(len(texts), eval_doc_count(d.eval_docs, len(texts))).tolist())
     train = [t for i, t in enumerate(texts) if i not in held]
     key = _sha(train, "bpe", d.bpe_vocab_size, seed, BPE_SAMPLE_BYTES)
-    meta = _load_meta(meta_path)
+    meta = _load_meta(meta_file)
     tk = _tokenizers()
     if os.path.isfile(tok_path) and meta.get("trained_on") == key:
         try:
@@ -172,7 +172,7 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
                          f"--bpe-vocab-size{'' if meta else ' (no tokenizer_meta.json)'}: "
                          "training a new one")
         tok = train_bpe(train, vocab_size=d.bpe_vocab_size, seed=seed)
-        for path, text in ((tok_path, tok.to_str()), (meta_path, json.dumps(
+        for path, text in ((tok_path, tok.to_str()), (meta_file, json.dumps(
                 {"trained_on": key, "vocab_size": d.bpe_vocab_size, "seed": seed,
                  "train_docs": len(train), "sample_chars": BPE_SAMPLE_BYTES}, indent=1))):
             with open(path + ".tmp", "w", encoding="utf-8") as f:
