@@ -107,10 +107,21 @@ def load_config_file(path: str) -> dict:
                 return tomllib.load(f)
         if path.endswith(".json"):
             with open(path) as f:
-                return json.load(f)
+                return json.load(f, object_pairs_hook=_unique_keys)
     except (ValueError, OSError) as exc:
         raise ConfigError(f"config={path!r}: {exc}") from exc
     raise ConfigError(f"config={path!r}: expected a .toml or .json file")
+
+
+def _unique_keys(pairs: list) -> dict:
+    """A JSON object whose keys are unique (json keeps the last of a repeated key, silently;
+    TOML refuses them): ValueError naming the key otherwise."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"key {key!r} is given twice in one object (which one is meant?)")
+        out[key] = value
+    return out
 
 
 def _coerce(tp: Any, value: Any, where: str) -> Any:
@@ -234,7 +245,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     cli = tyro.cli(_CommandLine, args=argv, default=default, prog=PROG, description=text,
                    config=(tyro.conf.OmitArgPrefixes,),
                    console_outputs=os.environ.get("RANK", "0") == "0")
-    return PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
+    cfg = PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
+    every = _last_value(argv, "--eval-every")
+    if every not in (None, "None") and cfg.data.eval_docs == 0:  # the flag itself, not a preset's
+        raise ConfigError(f"train.eval_every (--eval-every)={every}: there is nothing to evaluate "
+                          "with --eval-docs 0 (no held-out documents); drop one of the two flags")
+    return cfg
 
 
 def run_cli(entry: Callable[[], dict]) -> dict:

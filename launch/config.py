@@ -358,6 +358,9 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
                      "a pre-tokenized .bin corpus needs --eos-id (the id that ends each document)")
             _require(m.vocab_size > 0, "model.vocab_size", m.vocab_size,
                      "a pre-tokenized .bin corpus needs --vocab-size")
+    _require(d.eos_id is None or (d.data is not None and d.data.endswith(".bin")), "data.eos_id",
+             d.eos_id, "is for a pre-tokenized .bin corpus (--data X.bin); a text corpus ends "
+             "each document with its tokenizer's EOS")
     if d.tokenizer not in (None, "bytes", "bpe"):
         _require(os.path.isfile(d.tokenizer), "data.tokenizer", d.tokenizer,
                  "no such file (or bytes / bpe)")

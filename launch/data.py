@@ -160,8 +160,11 @@ def load_tokenizer(cfg: DataConfig) -> ByteTokenizer | HFTokenizer:
     if cfg.tokenizer in (None, "bytes"):
         return ByteTokenizer()
     if cfg.tokenizer == "bpe":
-        raise ConfigError("data.tokenizer='bpe': trained on the run's corpus by the trainer "
-                          "(cp_rope.launch.tokenizer.prepare_corpora), not loadable by itself")
+        raise ConfigError("data.tokenizer='bpe' (--tokenizer bpe): a BPE trained on the run's "
+                          "corpus exists for cp_rope.launch.pretrain only (tokenizer."
+                          "prepare_corpora); finetune_hf needs the ids of the model's own "
+                          "vocabulary: --tokenizer MODEL_DIR/tokenizer.json (or bytes for a "
+                          "byte-vocabulary model)")
     return HFTokenizer(cfg.tokenizer)
 
 

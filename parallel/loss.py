@@ -62,13 +62,68 @@ def group_mean(local_sum: torch.Tensor, labels: torch.Tensor, ignore_index: int,
     ``labels``: this rank's ``[T]`` labels (``N`` counts those != ``ignore_index``).
     Cost: one all-reduce of two float64 scalars.
     """
-    stats = torch.stack([local_sum.detach().to(torch.float64),
-                         (labels != ignore_index).sum().to(torch.float64)])
-    if dist.is_initialized() and dist.get_world_size(group) > 1:
-        dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
-    global_sum = stats[0].to(local_sum.dtype)
-    count = stats[1].clamp(min=1.0).to(local_sum.dtype)
-    return _GroupMean.apply(local_sum, global_sum, count)
+    count = (labels != ignore_index).sum()
+    stats = _agree("cp_cross_entropy", group, None, local_sum.device, [local_sum, count], {})
+    return _GroupMean.apply(local_sum, stats[0].to(local_sum.dtype),
+                            stats[1].clamp(min=1.0).to(local_sum.dtype))
+
+
+def _check_group(group) -> None:
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
+                        f"{type(group).__name__} {group!r}")
+
+
+def _agree(name: str, group, error: BaseException | None, device, values: list,
+           fields: dict[str, float]) -> torch.Tensor:
+    """``values`` (0-dim tensors) summed over ``group`` in float64, in ONE all-reduce that also
+    carries a flag for a rank whose arguments were refused (``error``) and, per entry of
+    ``fields``, ``x`` and ``x**2`` (all ranks equal iff ``n * sum(x**2) == sum(x)**2``).
+
+    The flag and the fields are read on the host where that costs no device sync (CPU, or
+    ``CP_ROPE_DEBUG=1``; :func:`~cp_rope.validation.content_checks_enabled`): then a rank-local
+    error is an error on every rank (its own exception there, a RuntimeError naming the rank
+    elsewhere) instead of a wait in the next collective, and ranks that disagree on a field
+    (e.g. the vocabulary, ``ignore_index``, ``softcap``) raise a RuntimeError naming it
+    instead of mixing their losses. On a device without debug mode a refused rank contributes
+    NaN, so the others' loss is NaN, not silently wrong.
+    """
+    n = dist.get_world_size(group) if dist.is_initialized() else 1
+    if n <= 1:  # no process group, one rank, or not a member (-1): this rank alone
+        if error is not None:
+            raise error
+        return torch.stack([torch.as_tensor(v).detach().to(torch.float64).reshape(())
+                            for v in values])
+    rank = dist.get_rank(group)
+    if error is None:
+        head = [torch.as_tensor(v).detach().to(device=device, dtype=torch.float64).reshape(())
+                for v in values]
+    else:
+        head = [torch.full((), math.nan, dtype=torch.float64, device=device)] * len(values)
+    tail = [float(error is not None), float(rank + 1) if error is not None else 0.0]
+    for x in fields.values():
+        tail += [float(x), float(x) * float(x)]
+    stats = torch.cat([torch.stack(head),
+                       torch.tensor(tail, dtype=torch.float64).to(device)])
+    dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
+    k = len(values)
+    if error is not None:
+        raise error
+    if content_checks_enabled(stats):
+        extra = stats[k:].tolist()
+        if extra[0] > 0:
+            who = (f"rank {int(extra[1]) - 1}" if extra[0] == 1
+                   else f"{int(extra[0])} ranks")
+            raise RuntimeError(f"{name}: {who} of the group refused its arguments (its own "
+                               "error says why); no loss on any rank")
+        bad = [f for i, f in enumerate(fields)
+               if n * extra[3 + 2 * i] - extra[2 + 2 * i] ** 2
+               > 1e-9 * max(1.0, extra[2 + 2 * i] ** 2)]
+        if bad:
+            mine = ", ".join(f"{f}={fields[f]!r}" for f in bad)
+            raise RuntimeError(f"{name}: the ranks of the group disagree on {', '.join(bad)} "
+                               f"(this rank: {mine}); every rank must pass the same")
+    return stats[:k]
 
 
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
@@ -111,11 +166,30 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
 
     Cost: one all-reduce of two float64 scalars (the loss sum and the count).
     """
-    ignore_index = check_inputs("logits", logits, labels, ignore_index, cu_seqlens)
+    _check_group(group)
+    error = None
+    try:
+        ignore_index = check_inputs("logits", logits, labels, ignore_index, cu_seqlens)
+    except (TypeError, ValueError) as exc:  # every rank learns of it (_agree), none waits
+        error = exc
+    if error is not None:
+        device = logits.device if isinstance(logits, torch.Tensor) else _device_of(group)
+        _agree("cp_cross_entropy", group, error, device, [0.0, 0.0], {"V": 0, "ignore_index": 0})
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
     local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
                                 reduction="sum")
-    return group_mean(local_sum, labels, ignore_index, group)
+    count = (labels != ignore_index).sum()
+    stats = _agree("cp_cross_entropy", group, None, logits.device, [local_sum, count],
+                   {"V (logits.shape[1])": logits.shape[1], "ignore_index": ignore_index})
+    return _GroupMean.apply(local_sum, stats[0].to(local_sum.dtype),
+                            stats[1].clamp(min=1.0).to(local_sum.dtype))
+
+
+def _device_of(group) -> torch.device:
+    """Where a collective over ``group`` runs when no tensor argument says so."""
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def check_inputs(name: str, scores: torch.Tensor, labels: torch.Tensor, ignore_index,
@@ -192,12 +266,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, ignore_index, chunk_size, softcap, group,
-                need_hidden, need_weight):
+                need_hidden, need_weight, count):
+        # count: N, already summed over the group (first: each chunk's gradient is then final)
         t, dtype = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)
-        count = (labels != ignore_index).sum().to(torch.float64).reshape(1)
         distributed = dist.is_initialized() and dist.get_world_size(group) > 1
-        if distributed:  # N first: each chunk's gradient is then final up to grad_output
-            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
         inv_n = 1.0 / count.clamp(min=1.0).to(dtype)
         local = torch.zeros(1, dtype=torch.float64, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_hidden else None
@@ -250,7 +322,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grad_h.mul_(grad)  # opmath (fp32) product, one rounding to hidden's dtype
         if grad_w is not None:
             grad_w = grad_w.mul_(grad).to(ctx.weight_dtype)
-        return grad_h, grad_w, None, None, None, None, None, None, None
+        return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
 def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
@@ -302,31 +374,44 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
 
     Cost: the three matmuls of the unfused loss; two all-reduces of one float64 scalar.
     """
-    if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
-    if weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D [V, d], got shape {tuple(weight.shape)}")
-    ignore_index = check_inputs("hidden", hidden, labels, ignore_index, cu_seqlens,
-                                n_classes=weight.shape[0])
-    if weight.shape[1] != hidden.shape[1]:
-        raise ValueError(f"weight must be [V, d] with d = hidden.shape[1] = {hidden.shape[1]}, "
-                         f"got shape {tuple(weight.shape)}")
-    if weight.dtype != hidden.dtype or weight.device != hidden.device:
-        raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, "
-                        f"{hidden.device}), got ({weight.dtype}, {weight.device})")
-    if chunk_size is None:
-        chunk_size = auto_chunk_size(weight.shape[0])
-    elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
-        raise TypeError(f"chunk_size must be an int (tokens per chunk; --loss-chunk-size) or "
-                        f"None, got {type(chunk_size).__name__}")
-    elif chunk_size < 1:
-        raise ValueError(f"chunk_size={chunk_size}: must be >= 1 token per chunk "
-                         "(--loss-chunk-size; 0 there = automatic)")
-    if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
-                                    and softcap > 0):
-        raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
+    _check_group(group)
+    error = None
+    try:  # a rank-local refusal reaches every rank through _agree (no wait in a collective)
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
+        if weight.dim() != 2:
+            raise ValueError(f"weight must be 2-D [V, d], got shape {tuple(weight.shape)}")
+        ignore_index = check_inputs("hidden", hidden, labels, ignore_index, cu_seqlens,
+                                    n_classes=weight.shape[0])
+        if weight.shape[1] != hidden.shape[1]:
+            raise ValueError(f"weight must be [V, d] with d = hidden.shape[1] = {hidden.shape[1]}, "
+                             f"got shape {tuple(weight.shape)}")
+        if weight.dtype != hidden.dtype or weight.device != hidden.device:
+            raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, "
+                            f"{hidden.device}), got ({weight.dtype}, {weight.device})")
+        if chunk_size is None:
+            chunk_size = auto_chunk_size(weight.shape[0])
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+            raise TypeError(f"chunk_size must be an int (tokens per chunk; --loss-chunk-size) or "
+                            f"None, got {type(chunk_size).__name__}")
+        elif chunk_size < 1:
+            raise ValueError(f"chunk_size={chunk_size}: must be >= 1 token per chunk "
+                             "(--loss-chunk-size; 0 there = automatic)")
+        if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
+                                        and softcap > 0):
+            raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
+    except (TypeError, ValueError) as exc:
+        error = exc
+    fields = {"V (weight.shape[0])": 0, "ignore_index": 0, "softcap (0: none)": 0.0}
+    if error is not None:
+        device = hidden.device if isinstance(hidden, torch.Tensor) else _device_of(group)
+        _agree("cp_linear_cross_entropy", group, error, device, [0.0], fields)
+    fields = {"V (weight.shape[0])": weight.shape[0], "ignore_index": ignore_index,
+              "softcap (0: none)": 0.0 if softcap is None else float(softcap)}
+    count = _agree("cp_linear_cross_entropy", group, None, hidden.device,
+                   [(labels != ignore_index).sum()], fields)
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, chunk_size,
         None if softcap is None else float(softcap), group,
-        grad and hidden.requires_grad, grad and weight.requires_grad)
+        grad and hidden.requires_grad, grad and weight.requires_grad, count)

@@ -77,7 +77,16 @@ class _TiledMLP(torch.autograd.Function):
 
 def _tiles(fn, tile, dim, x):
     n = x.shape[dim]
-    outs = [fn(x.narrow(dim, s, min(tile, n - s))) for s in range(0, n, tile)]
+    outs = []
+    for s in range(0, n, tile):
+        m = min(tile, n - s)
+        y = fn(x.narrow(dim, s, m))
+        if not isinstance(y, torch.Tensor) or y.dim() != x.dim() or y.shape[dim] != m:
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(f"fn: not position-wise along dim={dim}: a tile of shape "
+                             f"{tuple(x.narrow(dim, s, m).shape)} gave {got} (tiled_mlp needs "
+                             "one output row per input row)")
+        outs.append(y)
     return torch.cat(outs, dim=dim) if len(outs) != 1 else outs[0]
 
 
@@ -99,11 +108,23 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_
     Returns: ``fn(x)``, differentiable in ``x`` and ``params``; parameter gradients are
     summed over tiles in at least float32, then cast to each parameter's dtype.
 
-    Raises: TypeError/ValueError naming ``tile_tokens`` when it is not an int >= 1.
+    Raises: TypeError/ValueError naming ``tile_tokens`` when it is not an int >= 1,
+    ``fn`` (not callable; an output without one row per input row), ``x``, ``dim`` (not a
+    dimension of ``x``) or ``params`` (not tensors).
     """
     tile = check_tile_tokens(tile_tokens)
+    if not callable(fn):
+        raise TypeError(f"fn must be callable (the MLP's forward), got {type(fn).__name__}")
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r}: not a dimension of x (shape {tuple(x.shape)}); the "
+                         "token dimension is meant (default -2 of [..., T, d])")
     dim = dim % x.dim()
     params = list(params)
+    bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
+    if bad:
+        raise TypeError(f"params must be tensors (the parameters fn reads), got {bad[0]}")
     if x.shape[dim] <= tile:
         return fn(x)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):

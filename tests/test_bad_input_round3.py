@@ -202,3 +202,111 @@ def test_patched_model_input_id_outside_vocab():
     batch = PackingCollator()([{"input_ids": torch.tensor([1, 2, 100, 3])}])
     with pytest.raises(ValueError, match=r"input_ids holds token id 100.*vocab_size=100"):
         model(**model_inputs(batch))
+
+
+# ================================================================== fresh pass (issue 22, bullet 2)
+# Kinds found by a new-user pass over the round's new surfaces (/work/notes/round3_pass.md).
+
+def _loss_disagreement_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(6, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(11, 8, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 11, (6,), generator=g)
+
+    def expect(fn, mine, other):
+        with pytest.raises((ValueError, RuntimeError), match=mine if rank == 1 else other):
+            fn()
+
+    bad = labels.clone()
+    if rank == 1:
+        bad[0] = 11  # a label outside the vocabulary on one rank only
+    # the refusing rank raises its own error, the other one names it (no wait, no gloo timeout)
+    expect(lambda: cp_cross_entropy(h @ w.T, bad), r"labels must be in \[0, 11\)",
+           r"cp_cross_entropy: rank 1 of the group refused its arguments")
+    expect(lambda: cp_linear_cross_entropy(h, w, bad), r"labels must be in \[0, 11\)",
+           r"cp_linear_cross_entropy: rank 1 of the group refused its arguments")
+    expect(lambda: cp_linear_cross_entropy(h, w, labels, chunk_size=4 if rank == 0 else 0),
+           r"chunk_size=0", r"rank 1 of the group refused")
+    # arguments that must agree across the group: an error naming the field on every rank
+    for kw, field in [({"ignore_index": -100 if rank == 0 else 0}, "ignore_index"),
+                      ({"softcap": 30.0 if rank == 0 else None}, "softcap")]:
+        with pytest.raises(RuntimeError, match=rf"disagree on {field}"):
+            cp_linear_cross_entropy(h, w, labels, **kw)
+    with pytest.raises(RuntimeError, match=r"disagree on V \(weight\.shape\[0\]\)"):
+        cp_linear_cross_entropy(h, w[: 11 - rank], labels.clamp(max=9))
+    with pytest.raises(RuntimeError, match=r"disagree on ignore_index"):
+        cp_cross_entropy(h @ w.T, labels, ignore_index=-100 if rank == 0 else 0)
+    # the group still works, and agrees with the unfused loss
+    fused = cp_linear_cross_entropy(h, w, labels, group=dist.group.WORLD)
+    assert torch.allclose(fused, cp_cross_entropy(h @ w.T, labels), rtol=1e-12, atol=0)
+
+
+def test_loss_refused_on_one_rank_is_an_error_on_every_rank():
+    from dist_utils import run_distributed
+    run_distributed(_loss_disagreement_body, 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("which", ["cp_cross_entropy", "cp_linear_cross_entropy"])
+def test_loss_group_not_a_process_group(which):
+    import cp_rope.parallel as P
+    h, w, labels = torch.randn(4, 8), torch.randn(5, 8), torch.randint(0, 5, (4,))
+    args = (h @ w.T, labels) if which == "cp_cross_entropy" else (h, w, labels)
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup or "
+                                        r"None, got str 'world'"):
+        getattr(P, which)(*args, group="world")
+
+
+def _tiled(fn, x, tile=3, params=(), **kw):
+    from cp_rope.parallel.tiled_mlp import tiled_mlp
+    return tiled_mlp(fn, x, tile, list(params), **kw)
+
+
+@pytest.mark.parametrize("shape,dim", [((10, 8), 5), ((10,), -2), ((10, 8), 2)])
+def test_tiled_mlp_dim_not_a_dimension(shape, dim):
+    lin = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=rf"dim={dim}: not a dimension of x"):
+        _tiled(lin, torch.randn(shape, requires_grad=True), params=lin.parameters(), dim=dim)
+
+
+def test_tiled_mlp_fn_not_position_wise():
+    x = torch.randn(10, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"fn: not position-wise along dim=0"):
+        _tiled(lambda t: t[:1] * 2, x)
+
+
+@pytest.mark.parametrize("fn,params,match", [(None, (), r"fn must be callable"),
+                                             (torch.tanh, (1.0,), r"params must be tensors")])
+def test_tiled_mlp_fn_or_params_of_the_wrong_type(fn, params, match):
+    with pytest.raises(TypeError, match=match):
+        _tiled(fn, torch.randn(10, 8, requires_grad=True), params=params)
+
+
+def test_config_file_duplicate_key(tmp_path):
+    f = tmp_path / "c.json"
+    f.write_text('{"optim": {"lr": 0.1, "lr": 0.002}}')
+    with pytest.raises(ConfigError, match=r"c\.json.*key 'lr' is given twice"):
+        main(["--config", str(f), "--out-dir", str(tmp_path / "o")])
+
+
+def test_eval_every_without_held_out_documents(tmp_path):
+    # tiny_pretrain_argv holds out no documents (--eval-docs 0): --eval-every would be ignored
+    with pytest.raises(ConfigError, match=r"train\.eval_every \(--eval-every\)=1: .*--eval-docs 0"):
+        main(TINY + ["--steps", "1", "--eval-every", "1", "--out-dir", str(tmp_path)])
+
+
+def test_eos_id_for_a_text_corpus(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"text": "some text"}\n')
+    with pytest.raises(ConfigError, match=r"data\.eos_id=999: is for a pre-tokenized \.bin"):
+        main(TINY + ["--steps", "1", "--data", str(f), "--eos-id", "999",
+                     "--out-dir", str(tmp_path / "o")])
+
+
+def test_tokenizer_bpe_outside_pretrain_says_why():
+    from cp_rope.launch.config import DataConfig
+    from cp_rope.launch.data import load_tokenizer
+    with pytest.raises(ConfigError, match=r"--tokenizer bpe.*pretrain only.*finetune_hf needs"):
+        load_tokenizer(DataConfig(tokenizer="bpe"))
