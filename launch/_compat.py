@@ -12,6 +12,8 @@ and behaves the same on every supported torch (:data:`SUPPORTED_TORCH`):
   text is every rank's traceback; ``failure_cause`` turns it (or any other
   exception) into one line: the first failing rank, the exception type and
   message (e.g. ``OSError [Errno 30] Read-only file system: '.../__0_0.distcp'``).
+* :func:`dcp_load_partial`: the LR scheduler's state (its keys differ between torch
+  versions) loaded without requiring every key of this torch's template.
 * :func:`torch_version`: the running torch's version string (recorded in
   every checkpoint, compared at resume).
 """
@@ -29,7 +31,8 @@ try:  # public in torch.distributed.checkpoint.api since torch 2.2
 except ImportError:  # pragma: no cover - kept for a torch that moves it
     CheckpointException = getattr(dcp, "CheckpointException", Exception)
 
-__all__ = ["SUPPORTED_TORCH", "DCP_ERRORS", "dcp_named_files", "failure_cause", "torch_version"]
+__all__ = ["SUPPORTED_TORCH", "DCP_ERRORS", "dcp_named_files", "dcp_load_partial", "failure_cause",
+           "torch_version"]
 
 SUPPORTED_TORCH = ">=2.7"
 """The torch versions cp-rope supports (pyproject.toml's ``dependencies``; README)."""
@@ -70,6 +73,17 @@ def dcp_named_files(path: str) -> set[str]:
             raise ValueError(f".metadata names a file as {rel!r} (torch {torch_version()})")
         names.add(rel)
     return names
+
+
+def dcp_load_partial(state: dict, path: str) -> None:
+    """``dcp.load`` of ``state`` from ``path`` that keeps the template's value for keys the
+    checkpoint lacks (``DefaultLoadPlanner(allow_partial_load=True)``; keys the checkpoint has
+    and ``state`` lacks are ignored by every load). For the LR scheduler's state dict only,
+    whose keys change between torch versions (torch 2.13's has ``_is_initial``, 2.7's not):
+    never for model or optimizer tensors, which must all be there."""
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+    dcp.load(state, checkpoint_id=path, planner=DefaultLoadPlanner(allow_partial_load=True))
 
 
 def _one_line(exc: BaseException) -> str:

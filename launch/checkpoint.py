@@ -57,7 +57,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-from ._compat import DCP_ERRORS, dcp_named_files, failure_cause, torch_version
+from ._compat import DCP_ERRORS, dcp_load_partial, dcp_named_files, failure_cause, torch_version
 
 __all__ = [
     "CheckpointError", "MANIFEST", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
@@ -467,14 +467,12 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(error)
     check_run(path, manifest, run, world)
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {
-        "model": model_sd,
-        "optim": optim_sd,
-        "train": {"step": 0, "scheduler": scheduler.state_dict(), "world_size": 0},
-    }
+    state = {"model": model_sd, "optim": optim_sd, "train": {"step": 0, "world_size": 0}}
+    sched = {"train": {"scheduler": scheduler.state_dict()}}
     own = {f"rank{rank}": {"sampler": dict(sampler_state), "rng": _rng_state()}}
     try:
         dcp.load(state, checkpoint_id=path)
+        dcp_load_partial(sched, path)  # its keys differ between torch versions
         dcp.load(own, checkpoint_id=path)
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
@@ -483,7 +481,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
             f"{path}: loading failed ({failure_cause(exc)}); it was written by torch "
             f"{manifest.get('torch', 'unknown (an older cp-rope)')}, this is torch "
             f"{torch_version()}") from None
-    scheduler.load_state_dict(state["train"]["scheduler"])
+    scheduler.load_state_dict(sched["train"]["scheduler"])
     # The optimizer state holds the LR the saved run's schedule set for the next step; a
     # resume with another schedule (--steps to extend a run, --warmup-steps, --min-lr-ratio)
     # would take (and log) that step at the old LR. Redo the scheduler's last step with this
