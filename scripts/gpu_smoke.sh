@@ -2,7 +2,7 @@
 # GPU end-to-end smoke (issue 19): every GPU path on ONE GPU in under 6 minutes. Run it (through
 # the device tool) for every change that touches a GPU path:
 #
-#   bash scripts/gpu_smoke.sh            # repository root; OUT=smoke_out for the logs
+#   bash scripts/gpu_smoke.sh            # repository root; logs in $OUT (default /tmp/cp_rope_smoke/logs)
 #
 # Parts (each with its own time limit, side by side on the one GPU, so throughput lines are
 # indicative only; a PASS/FAIL table at the end; exit 1 on any failure). ~3-4 minutes on an H200:
@@ -32,12 +32,11 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-OUT=${OUT:-smoke_out}
-RUNS=${RUNS:-/tmp/cp_rope_smoke}
+RUNS=${RUNS:-/tmp/cp_rope_smoke}  # run directories (deleted first)
+OUT=${OUT:-$RUNS/logs}            # one log per part
 RTOL=${RTOL:-1e-3}
 PY=${PYTHON:-python3}
-mkdir -p "$OUT"
-rm -rf "$RUNS" && mkdir -p "$RUNS"
+rm -rf "$RUNS" && mkdir -p "$RUNS" "$OUT"
 T0=$(date +%s)
 
 if compgen -G ".whl/*.whl" >/dev/null; then
