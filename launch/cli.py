@@ -246,11 +246,17 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                    config=(tyro.conf.OmitArgPrefixes,),
                    console_outputs=os.environ.get("RANK", "0") == "0")
     cfg = PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
+    check_eval_flags(argv, cfg.data.eval_docs)
+    return cfg
+
+
+def check_eval_flags(argv: list[str], eval_docs: int | None) -> None:
+    """ConfigError when ``argv`` gives ``--eval-every`` (the flag itself, not a preset's
+    default) while ``eval_docs`` is 0: no held-out documents, so it would be ignored."""
     every = _last_value(argv, "--eval-every")
-    if every not in (None, "None") and cfg.data.eval_docs == 0:  # the flag itself, not a preset's
+    if every not in (None, "None") and eval_docs == 0:
         raise ConfigError(f"train.eval_every (--eval-every)={every}: there is nothing to evaluate "
                           "with --eval-docs 0 (no held-out documents); drop one of the two flags")
-    return cfg
 
 
 def run_cli(entry: Callable[[], dict]) -> dict:

@@ -27,7 +27,7 @@ from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "RESUME_FIXED", "check_resume_config",
+    "RESUME_FIXED", "check_resume_config", "resume_fixed",
 ]
 
 
@@ -459,6 +459,16 @@ resumed step), ``data.num_workers``, the CP method and kernel backends, FSDP,
 activation checkpointing, device and dtype."""
 
 
+def resume_fixed(cfg: PretrainConfig) -> dict[str, tuple[str, ...]]:
+    """:data:`RESUME_FIXED` for this run: without ``data.bpe_vocab_size`` unless the run
+    trains a BPE (``--tokenizer bpe``, or no tokenizer with the stdlib corpus), which is
+    the only run that reads it."""
+    d = cfg.data
+    bpe = d.tokenizer == "bpe" or (d.tokenizer is None and d.data is None)
+    return {s: tuple(n for n in names if bpe or (s, n) != ("data", "bpe_vocab_size"))
+            for s, names in RESUME_FIXED.items()}
+
+
 def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
     """Compare the run's saved ``config.json`` (``saved``, from :func:`to_dict`) with ``cfg``.
 
@@ -470,7 +480,7 @@ def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
     """
     now = to_dict(cfg)
     diffs = []
-    for section, names in RESUME_FIXED.items():
+    for section, names in resume_fixed(cfg).items():
         for name in names:
             old, new = saved.get(section, {}).get(name, now[section][name]), now[section][name]
             if (section, name) == ("model", "vocab_size") and new == 0:
