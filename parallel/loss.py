@@ -25,6 +25,7 @@ function's docstring.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 import torch.distributed as dist
@@ -391,10 +392,10 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
                             f"{hidden.device}), got ({weight.dtype}, {weight.device})")
         if chunk_size is None:
             chunk_size = auto_chunk_size(weight.shape[0])
-        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
+        elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
             raise TypeError(f"chunk_size must be an int (tokens per chunk; --loss-chunk-size) or "
                             f"None, got {type(chunk_size).__name__}")
-        elif chunk_size < 1:
+        elif int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be >= 1 token per chunk "
                              "(--loss-chunk-size; 0 there = automatic)")
         if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
@@ -412,6 +413,6 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
                    [(labels != ignore_index).sum()], fields)
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
-        hidden, weight, labels, ignore_index, chunk_size,
+        hidden, weight, labels, ignore_index, int(chunk_size),
         None if softcap is None else float(softcap), group,
         grad and hidden.requires_grad, grad and weight.requires_grad, count)

@@ -19,6 +19,7 @@ untiled module.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Sequence
 
 import torch
@@ -28,9 +29,10 @@ __all__ = ["tiled_mlp", "check_tile_tokens"]
 
 def check_tile_tokens(tile_tokens, name: str = "tile_tokens") -> int:
     """``tile_tokens`` as an int >= 1; TypeError/ValueError naming ``name`` otherwise."""
-    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int):
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, numbers.Integral):
         raise TypeError(f"{name} must be an int (tokens per MLP tile), got "
                         f"{type(tile_tokens).__name__}")
+    tile_tokens = int(tile_tokens)  # numpy / torch integers too, like the rest of cp_rope
     if tile_tokens < 1:
         raise ValueError(f"{name}={tile_tokens}: must be >= 1 token per MLP tile")
     return tile_tokens
