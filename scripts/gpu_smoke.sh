@@ -10,6 +10,9 @@
 #                   then --resume to 6: losses of steps 5, 6 equal the uninterrupted run's
 #   pretrain_1b     the 1b preset's shapes (dim 2048, 32 heads, 8 KV heads; 4 layers, seq 4096):
 #                   4 steps vs 2 + checkpoint + --resume: losses of steps 3, 4 equal
+#   pretrain_1b_mem the same shapes at 16384 tokens with --activation-checkpointing selective
+#                   --offload-activations --mlp-tile-tokens 4096 (the memory options on CUDA:
+#                   side-stream copies to pinned memory, the kept attention outputs, tiled MLP)
 #   finetune_qwen3, finetune_llama
 #                   finetune_hf of a tiny local Qwen3 / Llama directory (made here with
 #                   transformers from a config, random weights, save_pretrained): 4 steps vs 2 +
@@ -18,8 +21,9 @@
 #   hf_patched_*    the patched transformers model (packed rows, cp_rope's RoPE kernel, CP
 #                   attention with the auto backend: cuDNN on an H200) vs the unpatched model run
 #                   document by document, bf16
-#   gpu_tests       the cuDNN / flash / torch CP attention backends and the RoPE kernel against
-#                   their references: tests/test_attention_gpu.py, tests/test_rope_gpu.py
+#   gpu_tests       the GPU-marked tests: the cuDNN / flash / torch CP attention backends, the
+#                   RoPE kernel (formula and plan positions), the fused loss and tiled MLP in
+#                   bf16 against their references
 # "Equal" means bit for bit when the GPU kernels are deterministic; the table says "exact" or
 # the largest relative difference, and a part fails above RTOL (default 1e-3: atomics in some
 # backward kernels make repeated GPU runs differ in the last bits).
@@ -143,10 +147,15 @@ chain finetune_llama cp_rope.launch.finetune_hf 4 2 1 120 --model "$RUNS/llama_m
 chain pretrain_1b cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4 --seq-mode concat \
   --seq-len 4096 --tokens-per-batch 8192 --warmup-steps 1 --tokenizer bytes --eval-docs 0 \
   --no-tensorboard &
+chain pretrain_1b_mem cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4 --seq-mode concat \
+  --seq-len 16384 --tokens-per-batch 16384 --warmup-steps 1 --tokenizer bytes --eval-docs 0 \
+  --activation-checkpointing selective --offload-activations --mlp-tile-tokens 4096 \
+  --no-tensorboard &
 (
   t=$(date +%s)
-  timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/test_attention_gpu.py \
-    tests/test_rope_gpu.py > "$OUT/gpu_tests.log" 2>&1
+  timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_gpu.py \
+    tests/test_rope_gpu.py tests/test_rope_positions.py tests/test_loss_fused.py \
+    tests/test_loss_model.py > "$OUT/gpu_tests.log" 2>&1
   record gpu_tests $? "$(tail -1 "$OUT/gpu_tests.log")" "$t"
 ) &
 wait
@@ -214,7 +223,7 @@ echo "=== gpu_smoke summary ($(( $(date +%s) - T0 )) s) ==="
 printf '%-16s %-5s %6s  %s\n' part result secs detail
 status=0
 for name in pretrain_tiny finetune_qwen3 finetune_llama reload_qwen3 reload_llama pretrain_1b \
-    hf_patched_qwen3 hf_patched_llama gpu_tests; do
+    pretrain_1b_mem hf_patched_qwen3 hf_patched_llama gpu_tests; do
   if [ -f "$RUNS/result-$name" ]; then
     IFS=$'\t' read -r n v s d < "$RUNS/result-$name"
   else
