@@ -41,6 +41,12 @@ class RotaryEmbedding(nn.Module):
                  scaling: Mapping[str, Any] | None = None, interleaved: bool = False,
                  device: torch.device | str | None = None) -> None:
         super().__init__()
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise TypeError(f"scaling must be a mapping (HF rope_scaling) or None, got "
+                            f"{type(scaling).__name__} {scaling!r}")
+        if not isinstance(interleaved, bool):
+            raise TypeError(f"interleaved must be a bool, got {type(interleaved).__name__} "
+                            f"{interleaved!r}")
         self.rotary_dim = rotary_dim
         self.max_positions = max_positions
         self.base = base

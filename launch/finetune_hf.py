@@ -64,7 +64,7 @@ except ImportError as _exc:  # no transformers: the command says how to install 
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cp_rope.positions import global_positions
 
-from .cli import plain_text, run_cli
+from .cli import check_eval_flags, plain_text, run_cli
 from .config import (
     ConfigError,
     DataConfig,
@@ -139,9 +139,11 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     Raises: SystemExit on ``--help`` (0) or a malformed flag (2, tyro's message).
     """
     argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
-    return tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
-                    config=(tyro.conf.OmitArgPrefixes,),
-                    console_outputs=os.environ.get("RANK", "0") == "0")
+    fc = tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
+                  config=(tyro.conf.OmitArgPrefixes,),
+                  console_outputs=os.environ.get("RANK", "0") == "0")
+    check_eval_flags(argv, fc.data.eval_docs)
+    return fc
 
 
 class HFCausalLM(nn.Module):

@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 
@@ -337,9 +338,19 @@ def main(argv: list[str] | None = None) -> dict:
     for name in ("seq_len", "cp_size", "dp_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.gpu_memory_gib <= 0:
-        p.error("--gpu-memory-gib must be > 0")
-    s = _shapes(args)
+    if not (math.isfinite(args.gpu_memory_gib) and args.gpu_memory_gib > 0):
+        p.error(f"--gpu-memory-gib must be a finite number > 0, got {args.gpu_memory_gib}")
+    if not (math.isfinite(args.host_memory_gib) and args.host_memory_gib >= 0):
+        p.error(f"--host-memory-gib must be a finite number >= 0, got {args.host_memory_gib}")
+    for name in ("mlp_tile_tokens", "vocab_size", "doc_len"):
+        if getattr(args, name) < 0:
+            p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
+    if args.doc_len > args.seq_len:
+        p.error(f"--doc-len must be <= --seq-len ({args.seq_len}), got {args.doc_len}")
+    try:
+        s = _shapes(args)
+    except ConfigError as exc:
+        p.error(str(exc))
     kw = dict(tokens=args.seq_len, cp=args.cp_size, dp=args.dp_size, doc_len=args.doc_len or None)
     where = (f"{args.model or '--preset ' + args.preset}: {s.params / 1e9:.2f}B params, "
              f"{args.seq_len:,} tokens/step, cp {args.cp_size} x dp {args.dp_size}, per GPU")

@@ -48,15 +48,19 @@ def load_metrics(run_dir: str) -> list[dict]:
     if not os.path.isfile(path):
         raise FileNotFoundError(f"run_dir={run_dir!r}: no metrics.jsonl there (not a cp-rope "
                                 "run directory, or the run has not logged a step yet)")
-    records = []
+    records, unreadable = [], 0
     with open(path, encoding="utf-8", errors="replace") as f:
         for line in f:
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError:
+                unreadable += 1
                 continue
             if isinstance(rec, dict) and isinstance(rec.get("step"), int):
                 records.append(rec)
+    if not records and unreadable > 1:  # more than a last line being written: damage
+        raise ValueError(f"run_dir={run_dir!r}: metrics.jsonl: {unreadable} lines are not JSON "
+                         "records (the file is damaged, or not a cp-rope metrics file)")
     if not records:
         raise ValueError(f"run_dir={run_dir!r}: metrics.jsonl holds no step record yet")
     return records
@@ -87,9 +91,13 @@ def plot_runs(run_dirs: list[str], out: str | None = None, labels: list[str] | N
 
     Raises: as :func:`make_figure`.
     """
-    fig = make_figure(run_dirs, labels)
     out = out or (os.path.join(run_dirs[0], "report.png") if len(run_dirs) == 1
                   else "runs_compare.png")
+    if os.path.isdir(out):
+        raise ValueError(f"out={out!r} is a directory: give the PNG's file name")
+    if not os.path.splitext(out)[1]:  # matplotlib would append .png: say so in the path returned
+        out += ".png"
+    fig = make_figure(run_dirs, labels)
     fig.savefig(out, dpi=80)
     import matplotlib.pyplot as plt
 

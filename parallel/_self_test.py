@@ -143,7 +143,23 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     (which result, its document, row and head), or the exception the CP run raised.
     """
     t0 = time.perf_counter()
-    device = torch.device(device)
+    local = None  # this rank's refusal of its own arguments: agreed below, an error everywhere
+    try:
+        device = torch.device(device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device={str(device)!r}: CUDA is not available (torch "
+                             f"{torch.__version__})")
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise TypeError(f"seed must be an int, got {type(seed).__name__}")
+        if (isinstance(head_dim, bool) or not isinstance(head_dim, int) or head_dim < 2
+                or head_dim % 2):
+            raise ValueError(f"head_dim={head_dim!r}: must be an even int >= 2 (RoPE rotates "
+                             "pairs of dimensions)")
+        if dtype not in TOLERANCE:
+            raise TypeError(f"dtype must be one of {sorted(str(d) for d in TOLERANCE)}, got "
+                            f"{dtype!r}")
+    except (TypeError, ValueError, RuntimeError) as exc:
+        local, device = f"{type(exc).__name__}: {exc}", torch.device("cpu")
     C = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     r = dist.get_rank(group) if C > 1 else 0
     if C == 1:
@@ -153,11 +169,21 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     data_place = placement if data_placement is None else data_placement
     setting = dict(method=method, backend=backend, placement=placement, ulysses_size=ulysses_size,
                    split_threshold=split_threshold, cp_size=C, dtype=str(dtype).removeprefix("torch."))
+    if C == 1 and local is not None:
+        raise SelfTestError(f"cp self-test ({_describe(setting)}): {local}")
     if C > 1:  # the data's CP position must be the group's, on every rank
         views: list = [None] * C
-        dist.all_gather_object(views, (data_rank, data_size, data_place), group=group)
+        dist.all_gather_object(views, (data_rank, data_size, data_place, seed, local),
+                               group=group)
+        refused = [f"rank {i}: {v[4]}" for i, v in enumerate(views) if v[4] is not None]
+        if refused:
+            raise SelfTestError(f"cp self-test ({_describe(setting)}): " + "; ".join(refused))
+        if len({v[3] for v in views}) > 1:
+            raise SelfTestError(f"cp self-test ({_describe(setting)}): seed differs across the "
+                                f"ranks: {[v[3] for v in views]} (every rank must build the "
+                                "same test batch)")
         bad = [f"group rank {i} holds data cp_rank {v[0]} of cp_size {v[1]} ({v[2]})"
-               for i, v in enumerate(views) if v != (i, C, placement)]
+               for i, v in enumerate(views) if v[:3] != (i, C, placement)]
         if bad:
             raise SelfTestError(f"cp self-test ({_describe(setting)}): the data is not sharded "
                                 f"for this group: " + "; ".join(bad))

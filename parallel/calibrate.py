@@ -161,6 +161,18 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=32768, help="rows per timed call")
     p.add_argument("--iters", type=int, default=3)
     args = p.parse_args(argv)
+    from .choices import BACKEND_CHOICES
+    if args.tokens < 2:
+        p.error(f"--tokens must be >= 2 (rows per timed call; documents of 2 .. tokens), "
+                f"got {args.tokens}")
+    if args.iters < 1:
+        p.error(f"--iters must be >= 1, got {args.iters}")
+    if args.backend not in BACKEND_CHOICES:
+        p.error(f"--backend: {args.backend!r} is not one of {', '.join(BACKEND_CHOICES)}")
+    folder = os.path.dirname(os.path.abspath(args.out))
+    if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        p.error(f"--out: cannot write {args.out!r} (a directory, or its folder {folder!r} is "
+                "missing or read-only); checked before measuring")
     import torch.distributed as dist
 
     group = None

@@ -324,8 +324,10 @@ def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int,
     else:
         check_ulysses_args(method, ulysses_size, C, q_heads, kv_heads)
         methods = [(method, ulysses_size if method == "hybrid" else None)]
-    if C == 1:
-        methods = [("ring", None)]
+    if C == 1:  # one rank: nothing is split, any lengths and either layout run as ring
+        fixed = "per_document" if placement == "per_document" else "zigzag"
+        return [Setting(fixed, split_threshold if fixed == "per_document" else None, "ring",
+                        None)]
     places: list[tuple[str, int | None]] = []
     if placement in ("auto", "zigzag") and not (lens % (2 * C)).any():
         places.append(("zigzag", None))

@@ -310,3 +310,149 @@ def test_tokenizer_bpe_outside_pretrain_says_why():
     from cp_rope.launch.data import load_tokenizer
     with pytest.raises(ConfigError, match=r"--tokenizer bpe.*pretrain only.*finetune_hf needs"):
         load_tokenizer(DataConfig(tokenizer="bpe"))
+
+
+def test_resume_with_bpe_vocab_size_of_a_bytes_run(tmp_path):
+    """--bpe-vocab-size is read only by a BPE run: a bytes run resumes whatever its value."""
+    main(TINY + ["--steps", "1", "--out-dir", str(tmp_path)])
+    summary = main(TINY + ["--steps", "2", "--resume", "--bpe-vocab-size", "8000",
+                           "--out-dir", str(tmp_path)])
+    assert (summary["start_step"], summary["steps_run"]) == (1, 1)
+
+
+def test_auto_at_cp_1_runs_what_the_methods_run():
+    """At cp 1 nothing is split: auto takes any lengths and either layout, as ring does."""
+    from cp_rope.parallel import attention_plan, place_documents
+    kw = dict(q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+    odd = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert attention_plan(odd, 7, method="ring", **kw).method == "ring"
+    assert attention_plan(odd, 7, method="auto", **kw).method == "ring"
+    assert attention_plan(odd, 7, placement="auto", **kw).kind == "zigzag"
+    placed = place_documents(torch.tensor([0, 6, 14, 22], dtype=torch.int32), 1, 6)
+    assert attention_plan(placed, method="auto", **kw).kind == "per_document"
+
+
+def _self_test_disagreement_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import SelfTestError, self_test
+    g = dist.group.WORLD
+    # a rank-local refusal before the CP run: every rank gets the error, none waits
+    with pytest.raises(SelfTestError, match=r"rank 1: ValueError: head_dim=7"):
+        self_test(g, head_dim=32 if rank == 0 else 7)
+    # the test's own seed must agree (else each rank builds other data and CP is blamed)
+    with pytest.raises(SelfTestError, match=r"seed differs across the ranks: \[0, 1\]"):
+        self_test(g, seed=rank)
+    assert self_test(g).errors  # still usable
+
+
+def test_self_test_arguments_agree_across_ranks():
+    from dist_utils import run_distributed
+    run_distributed(_self_test_disagreement_body, 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"device": "cuda"}, r"device='cuda': CUDA is not available"),
+    ({"seed": "a"}, r"TypeError: seed must be an int, got str"),
+    ({"dtype": torch.int32}, r"TypeError: dtype must be one of"),
+    ({"head_dim": 0}, r"ValueError: head_dim=0: must be an even int >= 2"),
+])
+def test_self_test_own_arguments(kw, match):
+    from cp_rope.parallel import SelfTestError, self_test
+    if "device" in kw and torch.cuda.is_available():
+        pytest.skip("the case of a build without CUDA")
+    with pytest.raises(SelfTestError, match=match):
+        self_test(**kw)
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tokens", "0"], r"--tokens must be >= 2"),
+    (["--iters", "0"], r"--iters must be >= 1"),
+    (["--iters", "-1"], r"--iters must be >= 1"),
+    (["--backend", "flsh"], r"--backend: 'flsh' is not one of"),
+    (["--out", "/nonexistent/dir/c.json"], r"--out: cannot write .*/nonexistent/dir"),
+])
+def test_calibrate_flags(tmp_path, capsys, flags, match):
+    from cp_rope.parallel.calibrate import main as calibrate
+    with pytest.raises(SystemExit) as exc:
+        calibrate(["--out", str(tmp_path / "c.json"), *flags])
+    assert exc.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+    assert not (tmp_path / "c.json").exists()
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--gpu-memory-gib", "nan"], r"--gpu-memory-gib must be a finite number > 0"),
+    (["--gpu-memory-gib", "inf"], r"--gpu-memory-gib must be a finite number > 0"),
+    (["--host-memory-gib", "-3"], r"--host-memory-gib must be a finite number >= 0"),
+    (["--mlp-tile-tokens", "-1"], r"--mlp-tile-tokens must be >= 0"),
+    (["--vocab-size", "-1"], r"--vocab-size must be >= 0"),
+    (["--doc-len", "-2"], r"--doc-len must be >= 0"),
+    (["--doc-len", "9000"], r"--doc-len must be <= --seq-len"),
+    (["--preset", "huge"], r"preset='huge': expected one of"),
+    (["--preset", None, "--model", "/nonexistent"], r"model='/nonexistent': no config\.json"),
+])
+def test_plan_memory_flags(capsys, flags, match):
+    from cp_rope.launch.plan_memory import main as plan_memory
+    argv = ["--preset", "tiny", "--seq-len", "4096", *flags]
+    if None in argv:  # --model instead of --preset
+        argv = ["--seq-len", "4096", *flags[2:]]
+    with pytest.raises(SystemExit) as exc:
+        plan_memory(argv)
+    assert exc.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("logged")
+    rec = {"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s_per_gpu": 10.0, "peak_mem_gib": 0.1}
+    (d / "metrics.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "step": 2}) + "\n")
+    return d
+
+
+def test_plot_out_without_extension_names_the_file_written(logged_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from cp_rope.launch.plot import plot_runs
+    target = tmp_path / "report"
+    assert plot_runs([str(logged_run)], str(target)) == str(target) + ".png"
+    assert os.path.isfile(str(target) + ".png")
+    with pytest.raises(ValueError, match=r"out=.*is a directory"):
+        plot_runs([str(logged_run)], str(tmp_path))
+
+
+def test_plot_damaged_metrics_says_damaged(tmp_path):
+    from cp_rope.launch.plot import load_metrics
+    (tmp_path / "metrics.jsonl").write_text("{not json\n{nor this\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: 2 lines are not JSON records"):
+        load_metrics(str(tmp_path))
+
+
+@pytest.mark.parametrize("kw,match", [({"scaling": "linear"}, r"scaling must be a mapping"),
+                                      ({"interleaved": "no"}, r"interleaved must be a bool")])
+def test_rotary_embedding_argument_types(kw, match):
+    from cp_rope import RotaryEmbedding
+    with pytest.raises(TypeError, match=match):
+        RotaryEmbedding(8, 64, **kw)
+
+
+def test_finetune_eval_every_without_held_out_documents():
+    from cp_rope.launch.finetune_hf import parse_args
+    with pytest.raises(ConfigError, match=r"train\.eval_every \(--eval-every\)=1: .*--eval-docs 0"):
+        parse_args(["--model", "m", "--eval-every", "1", "--eval-docs", "0"])
+
+
+def test_numpy_integers_for_chunk_size_and_tile_tokens():
+    """Integers of numpy (a config read with numpy, a sweep) are ints, as everywhere in cp_rope."""
+    import numpy as np
+
+    from cp_rope.parallel import cp_linear_cross_entropy
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(6, 8, dtype=torch.float64, generator=g), torch.randn(11, 8, dtype=torch.float64,
+                                                                            generator=g)
+    labels = torch.randint(0, 11, (6,), generator=g)
+    ref = cp_linear_cross_entropy(h, w, labels, chunk_size=4)
+    assert torch.equal(cp_linear_cross_entropy(h, w, labels, chunk_size=np.int64(4)), ref)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(10, 8, requires_grad=True)
+    assert torch.equal(_tiled(lin, x, np.int64(3), lin.parameters()), _tiled(lin, x, 3, lin.parameters()))
