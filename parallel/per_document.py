@@ -191,6 +191,7 @@ class PerDocumentPlan(FrozenPlan):
             object.__setattr__(self, "_rope", {
                 "cu_seqlens": self.cu_seqlens, "position_ids": to_device(full, self.whole.device),
                 "max_position_id": self.placement.max_position_id(self.cp_rank)})
+            self._stamp(self._rope["position_ids"])
         return dict(self._rope)
 
     def check_call(self, q, k, cu_seqlens, max_seqlen, placement, group, causal, method,

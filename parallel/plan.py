@@ -157,6 +157,15 @@ class FrozenPlan:
         self._stamps = tuple((t, _version(t)) for t in tensors if isinstance(t, torch.Tensor))
         self._frozen = True
 
+    def __reduce_ex__(self, protocol):  # copy.copy / deepcopy / pickle
+        raise TypeError(f"plan: a {type(self).__name__} cannot be copied or pickled (it holds "
+                        "the process group and the batch's tensors); build one per batch with "
+                        "cp_rope.parallel.attention_plan where it is used")
+
+    def _stamp(self, t: torch.Tensor) -> None:
+        """Guard a tensor the plan hands out (rope_args' positions) like its own inputs."""
+        object.__setattr__(self, "_stamps", self._stamps + ((t, _version(t)),))
+
     def check_unchanged(self) -> None:
         """Raise ValueError naming ``plan`` if a tensor it was built from was changed in place
         (``plan.cu_seqlens[...] = ...``: its schedule is of the old values). Host only."""
@@ -319,6 +328,7 @@ class CPAttentionPlan(FrozenPlan):
             object.__setattr__(self, "_rope", {
                 "cu_seqlens": self.cu_seqlens, "position_ids": to_device(full, self.device),
                 "max_position_id": int(pos.max()) if pos.numel() else 0})
+            self._stamp(self._rope["position_ids"])
         return dict(self._rope)
 
     def check_call(self, q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
