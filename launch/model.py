@@ -26,7 +26,7 @@ from cp_rope.parallel import (
     cp_cross_entropy,
     cp_linear_cross_entropy,
 )
-from cp_rope.parallel.tiled_mlp import tiled_mlp
+from cp_rope.parallel._tiled_mlp import tiled_mlp
 from cp_rope.validation import check_token_ids
 
 from .config import ModelConfig
@@ -64,7 +64,7 @@ class FeedForward(nn.Module):
     """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``.
 
     ``tile_tokens`` > 0 (``--mlp-tile-tokens``): the sequence-tiled MLP of ALST
-    (:func:`cp_rope.parallel.tiled_mlp.tiled_mlp`): forward and backward run over
+    (:func:`cp_rope.parallel.tiled_mlp`): forward and backward run over
     tiles of that many tokens inside one autograd node, so the ``[T, hidden]``
     intermediates exist one tile at a time (the MLP's forward runs again in
     backward); same result and gradients as untiled. 0 = untiled.

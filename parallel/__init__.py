@@ -52,6 +52,8 @@ _EXPORTS = {
     "self_test": "_self_test",
     "SelfTestError": "_self_test",
     "cp_linear_cross_entropy": "loss",
+    # sequence-tiled MLP (module _tiled_mlp: not shadowed by a submodule of the same name)
+    "tiled_mlp": "_tiled_mlp",
     # process groups / DeviceMesh
     "ParallelDims": "mesh",
 }

@@ -314,7 +314,7 @@ def test_config_reads_the_one_list_of_each_choice():
     hints = typing.get_type_hints(ParallelConfig)
     assert typing.get_args(hints["cp_method"]) == (*METHODS, "auto")
     assert typing.get_args(hints["attn_backend"]) == ("auto", *BACKENDS)
-    assert typing.get_args(hints["cp_placement"]) == PLACEMENTS
+    assert typing.get_args(hints["cp_placement"]) == (*PLACEMENTS, "auto")
     cfg = PretrainConfig()
     cfg.parallel.attn_backend, cfg.train.device = "cudnn", "cpu"
     with pytest.raises(ConfigError, match="parallel.attn_backend='cudnn': needs CUDA"):

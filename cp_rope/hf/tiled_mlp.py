@@ -3,7 +3,7 @@
 Every decoder layer's ``mlp`` (Llama, Mistral, Qwen2, Qwen3: ``gate_proj`` /
 ``up_proj`` / ``down_proj``; Phi3: the fused ``gate_up_proj``) is position-wise,
 so it can run over tiles of tokens inside one autograd node:
-:func:`cp_rope.parallel.tiled_mlp.tiled_mlp` (ALST's TiledMLP, arXiv 2506.13996).
+:func:`cp_rope.parallel.tiled_mlp` (ALST's TiledMLP, arXiv 2506.13996).
 The module keeps its class, parameters and state-dict names; only its
 ``forward`` is wrapped (an instance attribute, removed by the handle).
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from cp_rope.parallel.tiled_mlp import check_tile_tokens, tiled_mlp
+from cp_rope.parallel._tiled_mlp import check_tile_tokens, tiled_mlp
 
 __all__ = ["tile_mlps", "TiledMLPHandle", "check_tile_tokens"]
 
