@@ -293,7 +293,8 @@ def _check_contents(n_tokens, cu_seqlens, cp_size, n_positions, position_ids, st
             raise ValueError(f"start_positions[{b}] = {int(starts[b])} is negative")
         # the last position of sequence b is start + cp_size * len_b - 1
         pos = (starts + start_offset + cp_size * lens - 1)[lens > 0]
-        name = "start_positions"
+        name = ("start_positions" if start_positions is not None or start_offset
+                else "positions (from cu_seqlens)")
     if pos.numel() == 0:
         return
     if bool((pos < 0).any()):

@@ -490,3 +490,13 @@ def test_plan_cannot_be_copied(how):
         with pytest.raises(TypeError, match=r"plan: a (CPAttentionPlan|PerDocumentPlan) cannot "
                                             r"be copied or pickled"):
             fn(plan)
+
+
+def test_rope_max_position_id_without_explicit_positions_names_them():
+    """The positions come from cu_seqlens here: the error must not name start_positions."""
+    from cp_rope import RotaryEmbedding
+    rope = RotaryEmbedding(8, 64)
+    q, k = torch.randn(12, 4, 8), torch.randn(12, 2, 8)
+    with pytest.raises(ValueError, match=r"^positions \(from cu_seqlens\): position 6 exceeds "
+                                         r"max_position_id \(3\)"):
+        rope(q, k, torch.tensor([0, 5, 12], dtype=torch.int32), max_position_id=3)
