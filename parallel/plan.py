@@ -230,7 +230,7 @@ class CPAttentionPlan(FrozenPlan):
                 shows each rank's values), or a rank's own arguments were bad (the other
                 ranks raise naming it).
         """
-        group, cp_size, cp_rank = _position(group)
+        group, cp_size, cp_rank = group_position(group)
         error, sig, lay = None, None, None
         try:
             if _check is not None:  # the caller's own rank-local checks join the agreement
@@ -388,7 +388,7 @@ class _SimulatedGroup:
     rank: int
 
 
-def _position(group) -> tuple[dist.ProcessGroup | None, int, int]:
+def group_position(group) -> tuple[dist.ProcessGroup | None, int, int]:
     """``(group, cp_size, cp_rank)``: group None at cp_size 1 and for a simulated rank.
 
     Raises: TypeError if ``group`` is not a ProcessGroup (or None); ValueError if

@@ -15,6 +15,7 @@ from cp_rope.cache import rope_cache
 from cp_rope.ops import apply_rotary_emb_qk
 from cp_rope.parallel import PackedBatch, attention_plan, context_parallel_attention
 from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS
+from cp_rope.parallel.plan import group_position
 from cp_rope.positions import global_positions
 from cp_rope.validation import (
     check_bool,
@@ -261,15 +262,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
     method = check_choice("method", method, (*METHODS, AUTO))
     backend = check_choice("backend", backend, BACKEND_CHOICES)
-    if isinstance(group, int) and group == getattr(dist.GroupMember, "NON_GROUP_MEMBER", None):
-        raise ValueError("group: this process is not a member of the CP group passed to "
-                         "patch_model (pass the group of ranks that share its sequences)")
-    if group is not None and not isinstance(group, dist.ProcessGroup):
-        raise TypeError(f"group must be a torch.distributed ProcessGroup or None, got "
-                        f"{type(group).__name__} {group!r} (e.g. dist.group.WORLD)")
-    if group is not None and not dist.is_initialized():
-        raise ValueError("group: torch.distributed is not initialized; call "
-                         "torch.distributed.init_process_group first (or pass group=None)")
+    _, cp_size, cp_rank = group_position(group)  # the plan's own checks of `group`
     old = getattr(model, "cp_rope_patch", None)
     if old is not None:
         if old.group is not group:
@@ -277,13 +270,6 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
                              "process group; call cp_rope.hf.unpatch_model(model) first (or "
                              "patch a fresh copy)")
         unpatch_model(model)
-    if group is not None and dist.get_rank(group) < 0:
-        raise ValueError("group: this process is not a member of the CP group passed to "
-                         "patch_model (pass the group of ranks that share its sequences)")
-    if group is not None and dist.get_world_size(group) > 1:
-        cp_size, cp_rank = dist.get_world_size(group), dist.get_rank(group)
-    else:
-        cp_size, cp_rank = 1, 0
     patch = CPRopePatch(group=group, cp_size=cp_size, cp_rank=cp_rank, method=method,
                         backend=backend, rope_kernel=rope_kernel, ulysses_size=ulysses_size,
                         _attn_before=model.config._attn_implementation)
