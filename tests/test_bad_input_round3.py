@@ -24,7 +24,26 @@ TINY = tiny_pretrain_argv(seq_len=64, tokens_per_batch=256, max_docs=16)
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # kind (issue 22 item) -> where its regression test lives, for kinds fixed outside this file
-ELSEWHERE: dict[str, str] = {}
+ELSEWHERE: dict[str, str] = {
+    "1 softmax_scale outside the agreement": "test_plan_api.py::test_arguments_agree_across_ranks",
+    "4a/4b rank-local argument errors wait for the timeout":
+        "test_plan_api.py::test_arguments_agree_across_ranks",
+    "4c plan= on one rank only": "test_plan_api.py::test_plan_on_one_rank_only_is_a_clear_error",
+    "5 plan changed in place / attributes assigned":
+        "test_plan_api.py::test_plans_are_read_only_and_refuse_in_place_changes",
+    "7 another run's checkpoint": "test_checkpoint_integrity.py::test_load_refuses_another_run_before_reading",
+    "7 another run's checkpoint, end to end":
+        "test_checkpoint_integrity.py::test_resume_refuses_a_checkpoint_of_another_run",
+    "8 a failed save": "test_checkpoint_integrity.py::test_failed_save_keeps_the_last_good_one_and_says_why",
+    "8 a failed save's traceback": "test_checkpoint_integrity.py::test_failed_dcp_write_is_one_line_not_a_traceback",
+    "8 keep + 1 checkpoints of space": "test_checkpoint_integrity.py::test_space_for_keep_plus_one",
+    "12 checksums.json incomplete":
+        "test_checkpoint_integrity.py::test_resume_skips_a_damaged_newest_checkpoint",
+    "13 per-document plan's method": "test_plan_api.py::test_per_document_plan_method_is_the_plans",
+    "14 CPAttentionPlan.build(device=3)": "test_plan_api.py::test_build_device_without_cuda_names_device",
+    "14 patch_model group='world', cu_seq_lens_k":
+        "test_plan_api.py::test_hf_plans_once_per_forward_and_runs_per_document",
+}
 
 
 def _config_file(tmp_path, mapping) -> str:
