@@ -42,6 +42,7 @@ import dataclasses
 import torch
 
 from . import _compat
+from ._device import to_device
 
 __all__ = ["CudnnCall", "CallLayout", "plan_calls", "round_count", "seq_bound", "CudnnTHD",
            "PAD_LIMIT", "MAX_RUNS"]
@@ -120,7 +121,7 @@ class CudnnCall:
 
     def to(self, device) -> CudnnCall:
         return dataclasses.replace(self, **{
-            f.name: _to_device(getattr(self, f.name), device)
+            f.name: to_device(getattr(self, f.name), device)
             for f in dataclasses.fields(self) if isinstance(getattr(self, f.name), torch.Tensor)})
 
     def take_q(self, x: torch.Tensor) -> torch.Tensor:
@@ -143,16 +144,7 @@ class CallLayout:
 
     def to(self, device) -> CallLayout:
         return CallLayout(tuple(c.to(device) for c in self.calls), self.base,
-                          _to_device(self.clear_q, device), _to_device(self.clear_k, device))
-
-
-def _to_device(t, device):
-    """Host tensor -> ``device`` without a sync (pinned, non-blocking on CUDA)."""
-    if t is None or t.device == torch.device(device):
-        return t
-    if torch.device(device).type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
+                          to_device(self.clear_q, device), to_device(self.clear_k, device))
 
 
 def _take(x, window, index, rows):

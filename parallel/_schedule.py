@@ -14,8 +14,9 @@ import dataclasses
 import torch
 
 from ._blocks import Block
+from ._device import to_device
 
-__all__ = ["Layout", "to_device", "segments"]
+__all__ = ["Layout", "segments"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,14 +32,6 @@ class Layout:
     seq_lens: torch.Tensor | None  # host int64 [B] true global lengths (causal=False only)
     device: torch.device
     ulysses_size: int = 1  # all-to-all group size U (ulysses / hybrid)
-
-
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """Host tensor -> ``device`` without a sync (pinned, non-blocking: the host tensor is
-    kept by the plan, so its memory outlives the copy)."""
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t.to(device)
 
 
 def segments(lay: Layout, q_starts, q_end, k_starts, k_end, max_q, max_k, causal,

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 from . import _accumulate, _compat
 from ._accumulate import OutAcc, Rows, add_grads
-from ._schedule import Layout, segments, to_device
+from ._device import to_device
+from ._schedule import Layout, segments
 from .sharding import rank_major_index
 
 __all__ = ["allgather_schedule", "allgather_forward", "allgather_backward"]

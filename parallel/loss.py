@@ -38,6 +38,8 @@ from cp_rope.validation import (
     content_checks_enabled,
 )
 
+from ._device import to_device
+
 __all__ = ["cp_cross_entropy", "cp_linear_cross_entropy"]
 
 
@@ -105,7 +107,7 @@ def _agree(name: str, group, error: BaseException | None, device, values: list,
     for x in fields.values():
         tail += [float(x), float(x) * float(x)]
     stats = torch.cat([torch.stack(head),
-                       torch.tensor(tail, dtype=torch.float64).to(device)])
+                       to_device(torch.tensor(tail, dtype=torch.float64), device)])
     dist.all_reduce(stats, op=dist.ReduceOp.SUM, group=group)
     k = len(values)
     if error is not None:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 
 from ._blocks import get_backend
+from ._device import to_device
 from ._dispatch import run_plan
-from ._schedule import to_device
 from .choices import BACKEND_CHOICES, METHODS
 from .placement import DocumentPlacement, check_group_size, check_local_cu_seqlens
 from .plan import (

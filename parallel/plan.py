@@ -48,7 +48,8 @@ from cp_rope.validation import (
 )
 
 from ._agree import agree_across_ranks
-from ._schedule import Layout, to_device
+from ._device import to_device
+from ._schedule import Layout
 from .allgather import allgather_schedule
 from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
 from .ring import ring_schedule

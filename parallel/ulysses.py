@@ -80,7 +80,7 @@ from cp_rope.validation import check_int
 
 from . import _compat
 from ._accumulate import Rows
-from ._schedule import to_device
+from ._device import to_device
 from .choices import A2A_METHODS, METHODS
 from .ring import ring_backward, ring_forward, ring_schedule
 from .sharding import cp_shard_indices, rank_major_index
