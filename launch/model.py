@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from cp_rope import RotaryEmbedding, apply_rotary_emb_qk
 from cp_rope.parallel import (
@@ -89,10 +88,9 @@ class FeedForward(nn.Module):
 class TransformerBlock(nn.Module):
     """Pre-norm transformer block: ``x + attention(norm(x))``, then ``h + feed_forward(norm(h))``.
 
-    ``checkpoint_activations`` (set by
-    :func:`cp_rope.launch.parallelize.apply_activation_checkpointing`) recomputes the
-    block's activations in backward (:func:`torch.utils.checkpoint.checkpoint`,
-    non-reentrant) instead of keeping them; parameter names do not change.
+    Activation checkpointing and offload wrap a block from outside
+    (:func:`cp_rope.launch.parallelize.apply_activation_checkpointing`); parameter names
+    do not change.
     """
 
     def __init__(self, cfg: ModelConfig):
@@ -101,14 +99,8 @@ class TransformerBlock(nn.Module):
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, tile_tokens=cfg.mlp_tile_tokens)
-        self.checkpoint_activations = False
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
-        if self.checkpoint_activations and torch.is_grad_enabled():
-            return checkpoint(self._forward, x, rope, ctx, use_reentrant=False)
-        return self._forward(x, rope, ctx)
-
-    def _forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, ctx)
         return h + self.feed_forward(self.ffn_norm(h))
 
