@@ -62,6 +62,7 @@ except ImportError as _exc:  # no transformers: the command says how to install 
         raise SystemExit(2) from None
     raise
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cp_rope.parallel.choices import LossImpl
 from cp_rope.positions import global_positions
 
 from .cli import check_eval_flags, plain_text, run_cli
@@ -105,6 +106,10 @@ class HFConfig:
     """Loss from the base model's final hidden states and the lm_head weight in chunks of loss_chunk_size tokens (cp_rope.parallel.cp_linear_cross_entropy; tied embeddings and final logit softcapping included), so the [tokens, vocab_size] logits never exist whole; --no-fused-loss computes the logits, then cp_cross_entropy. Same value and gradients."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
+    loss_impl: LossImpl = "auto"
+    """The fused loss's kernel: torch (cp_rope's chunked loop, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed, else torch. Same value and gradients up to the compute dtype's rounding."""
+    fused_norm: bool = True
+    """RMSNorms by PyTorch's fused rms_norm kernel in bf16 (cp_rope.hf.norms: no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
     mlp_tile_tokens: int = 0
     """Sequence-tiled MLP (ALST's TiledMLP) in every decoder layer: the MLP runs over tiles of this many tokens inside one autograd node, recomputed per tile in backward, so [tokens, intermediate_size] never exists whole; 0 = off. Same gradients."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -171,11 +176,12 @@ class HFCausalLM(nn.Module):
     """
 
     def __init__(self, lm: nn.Module, *, rope_kernel: bool = True, fused_loss: bool = True,
-                 loss_chunk_size: int = 0, mlp_tile_tokens: int = 0):
+                 loss_chunk_size: int = 0, mlp_tile_tokens: int = 0, loss_impl: str = "auto",
+                 fused_norm: bool = True):
         super().__init__()
         self.lm, self.rope_kernel = lm, rope_kernel
         self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
-        self.mlp_tile_tokens = mlp_tile_tokens
+        self.mlp_tile_tokens, self.loss_impl, self.fused_norm = mlp_tile_tokens, loss_impl, fused_norm
         self.cp_size, self.cp_rank = 1, 0
 
     @property
@@ -193,7 +199,7 @@ class HFCausalLM(nn.Module):
                               "(set CP_ROPE_BACKEND=torch|triton to force one)")
         patch_model(self.lm, group=cp_group, method=cp_method, backend=attn_backend,
                     rope_kernel=self.rope_kernel, ulysses_size=ulysses_size,
-                    mlp_tile_tokens=self.mlp_tile_tokens or None)
+                    mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm)
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
 
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
@@ -218,7 +224,7 @@ class HFCausalLM(nn.Module):
         if labels is not None and self.fused_loss and getattr(head, "bias", None) is None:
             return cp_linear_cross_entropy(hidden, head.weight, labels, loss_group,
                                            chunk_size=self.loss_chunk_size or None,
-                                           softcap=softcap)
+                                           softcap=softcap, impl=self.loss_impl)
         logits = head(hidden)
         if softcap is not None:
             logits = softcap * torch.tanh(logits / softcap)
@@ -282,7 +288,8 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
         raise ConfigError(f"hf.{exc}") from None
     # activation checkpointing / offload: parallelize wraps self.layers (cp_rope.launch.offload)
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel, fused_loss=fc.hf.fused_loss,
-                      loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens)
+                      loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens,
+                      loss_impl=fc.hf.loss_impl, fused_norm=fc.hf.fused_norm)
 
 
 def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:

@@ -44,6 +44,7 @@ _EXPORTS = {
     "METHODS": "choices",
     "BACKENDS": "choices",
     "PLACEMENTS": "choices",
+    "LOSS_IMPLS": "choices",
     "comm_volume": "ulysses",
     # loss
     "cp_cross_entropy": "loss",

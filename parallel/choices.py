@@ -1,4 +1,4 @@
-"""The one list of each CP choice: methods, block backends, placements.
+"""The one list of each CP choice: methods, block backends, placements, loss implementations.
 
 Config (``launch/config.py``: ``Literal[...]`` of these), validation, the command
 lines and the docs read these tuples; nothing else spells them out.
@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import Literal
 
 __all__ = ["METHODS", "A2A_METHODS", "BACKENDS", "BACKEND_CHOICES", "PLACEMENTS", "AUTO",
-           "Method", "Backend", "PlacementName"]
+           "LOSS_IMPLS", "Method", "Backend", "PlacementName", "LossImpl"]
 
 AUTO = "auto"
 """Chosen per batch by :func:`cp_rope.parallel._choose.choose_strategy` (method / placement)."""
@@ -28,7 +28,14 @@ BACKEND_CHOICES = (AUTO, *BACKENDS)
 PLACEMENTS = ("zigzag", "per_document")
 """Where documents go (:mod:`cp_rope.parallel.placement`)."""
 
+LOSS_IMPLS = (AUTO, "torch", "liger")
+"""Implementations of :func:`cp_rope.parallel.cp_linear_cross_entropy`: ``torch`` (its chunked
+loop, any device and dtype, float64 included), ``liger`` (Liger-Kernel's fused linear
+cross-entropy, CUDA), ``auto`` (``liger`` for bf16/fp16 CUDA tensors when liger-kernel is
+installed, else ``torch``)."""
+
 # Literal of a tuple is the Literal of its items (what tyro and type checkers read)
 Method = Literal[METHODS]
 Backend = Literal[BACKEND_CHOICES]
 PlacementName = Literal[PLACEMENTS]
+LossImpl = Literal[LOSS_IMPLS]

@@ -23,7 +23,8 @@ from cp_rope.parallel import (  # noqa: E402
     cp_shard_indices,
     shard_batch,
 )
-from cp_rope.parallel.loss import auto_chunk_size  # noqa: E402
+from cp_rope.parallel import loss as loss_module  # noqa: E402
+from cp_rope.parallel.loss import auto_chunk_size, loss_impl  # noqa: E402
 
 
 def _unfused(h, w, labels, group=None, softcap=None):
@@ -103,15 +104,51 @@ def test_bfloat16_matches_float64_reference():
         assert_close(a.reshape(-1).double(), b.reshape(-1), dtype=torch.bfloat16, name=name)
 
 
+def _fake_liger(h, w, y, *, ignore_index, reduction, softcap, accum_dtype):
+    """Liger-Kernel's contract as cp_linear_cross_entropy calls it: the SUM of the per-token CE
+    over the labels != ignore_index (its backward scales by the incoming gradient)."""
+    assert reduction == "sum" and accum_dtype == torch.float32
+    z = h @ w.t()
+    if softcap is not None:
+        z = softcap * torch.tanh(z / softcap)
+    return F.cross_entropy(z, y, ignore_index=ignore_index, reduction="sum")
+
+
+def _liger_glue(h, w, labels, group=None, softcap=None):
+    """impl="liger" with a float64 stand-in for Liger's kernel: checks the CP normalisation
+    cp_rope puts around it (the kernel itself runs on CUDA only: test_cuda_* below)."""
+    from unittest import mock
+
+    with mock.patch.object(loss_module, "_LIGER", [_fake_liger]), \
+            mock.patch.object(loss_module, "loss_impl", lambda impl, hidden: impl):
+        return cp_linear_cross_entropy(h, w, labels, group, softcap=softcap, impl="liger")
+
+
+def test_loss_impl_choice():
+    h = torch.zeros(2, 3, dtype=torch.bfloat16)
+    assert loss_impl("auto", h) == "torch" and loss_impl("torch", h) == "torch"  # CPU
+    with pytest.raises(ValueError, match="impl='liger'.*CUDA"):
+        loss_impl("liger", h)
+    with pytest.raises(ValueError, match="impl='fast'.*--loss-impl"):
+        loss_impl("fast", h)
+    with pytest.raises(ValueError, match="impl='liger'"):  # the public door names it too
+        cp_linear_cross_entropy(h, torch.zeros(5, 3, dtype=torch.bfloat16),
+                                torch.tensor([0, 1]), impl="liger")
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("impl", ["torch", "liger"])
 @pytest.mark.parametrize("softcap", [None, 30.0])
-def test_cuda_bfloat16_matches_float64_reference(softcap):
-    """The CUDA path (bf16 matmuls, fp32 dweight accumulated by addmm's out_dtype) against the
-    float64 CPU reference of the same bf16 inputs: normwise at least as close as the unfused
-    bf16 loss (bf16 roundings differ elementwise)."""
+def test_cuda_bfloat16_matches_float64_reference(softcap, impl):
+    """The CUDA paths (torch: bf16 matmuls, fp32 dweight accumulated by addmm's out_dtype;
+    liger: Liger-Kernel's kernel, sum reduction, cp_rope's normalisation) against the float64
+    CPU reference of the same bf16 inputs: normwise at least as close as the unfused bf16 loss
+    (bf16 roundings differ elementwise)."""
+    if impl == "liger" and loss_module._liger_function() is None:
+        pytest.skip("liger-kernel not installed")
     h, w, labels = _data(3000, 256, 5000, seed=4, dtype=torch.bfloat16)
     got = _grads(cp_linear_cross_entropy, h.cuda(), w.cuda(), labels.cuda(), chunk_size=512,
-                 softcap=softcap)
+                 softcap=softcap, impl=impl)
     ref = _grads(_reference, h.double(), w.double(), labels, softcap=softcap)
     unfused = _grads(_unfused, h.cuda(), w.cuda(), labels.cuda(), softcap=softcap)
     for a, b, u, name in zip(got, ref, unfused, ("loss", "dhidden", "dweight"), strict=True):
@@ -195,6 +232,7 @@ def _cp_body(rank, world):
             local_h = torch.cat([h[idx], torch.randn(n_pad, d, generator=g, dtype=torch.float64)])
             tag = f"{placement} cp {world} rank {rank} softcap {softcap}"
             for fn, kw in ((cp_linear_cross_entropy, {"chunk_size": 8, "softcap": softcap}),
+                           (_liger_glue, {"softcap": softcap}),
                            (_unfused, {"softcap": softcap})):
                 loss, gh, gw = _grads(fn, local_h, w, labels, group, **kw)
                 assert_close(loss.reshape(1), ref[0].reshape(1), name=f"loss {tag} {fn.__name__}")

@@ -25,6 +25,7 @@ from cp_rope.validation import (
 )
 
 from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
+from .norms import fuse_rms_norms
 from .tiled_mlp import check_tile_tokens, tile_mlps
 
 __all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
@@ -223,7 +224,7 @@ def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
 def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
                 method: str = "ring", backend: str = "auto", rope_kernel: bool = True,
                 ulysses_size: int | None = None,
-                mlp_tile_tokens: int | None = None) -> PreTrainedModel:
+                mlp_tile_tokens: int | None = None, fused_norm: bool = True) -> PreTrainedModel:
     """Make ``model`` run packed rows with context parallelism over ``group`` (in place).
 
     Sets the attention implementation to ``"cp_rope"``, and with
@@ -246,6 +247,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         rope_kernel: use cp_rope's RoPE kernel instead of the model's rotation.
         mlp_tile_tokens: run every decoder layer's MLP over tiles of this many tokens
             (:func:`cp_rope.hf.tiled_mlp.tile_mlps`, ALST's TiledMLP); None = untiled.
+        fused_norm: run the family's RMSNorms with PyTorch's fused ``rms_norm`` on bf16/fp16
+            inputs (:mod:`cp_rope.hf.norms`: no float32 copies kept for backward; one
+            rounding instead of transformers' two); float32/float64 run unchanged.
 
     Returns: ``model`` itself (``model.cp_rope_patch`` holds the settings).
 
@@ -258,6 +262,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     """
     module, attn_name, rotary_name = _family(model)
     rope_kernel = check_bool("rope_kernel", rope_kernel)
+    fused_norm = check_bool("fused_norm", fused_norm)
     if mlp_tile_tokens is not None:
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
     method = check_choice("method", method, (*METHODS, AUTO))
@@ -301,6 +306,8 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     patch._modules = attns
     if mlp_tile_tokens is not None:
         patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
+    if fused_norm:
+        patch._handles.extend(fuse_rms_norms(model, module))
     patch._handles.append(decoder.register_forward_pre_hook(
         lambda mod, args, kwargs: _before_forward(patch, embed, args, kwargs), with_kwargs=True))
     patch._handles.append(decoder.register_forward_hook(

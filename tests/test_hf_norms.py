@@ -1,0 +1,92 @@
+"""patch_model(fused_norm=True): the families' RMSNorms by torch's fused rms_norm in bf16/fp16,
+transformers' own forward (bit for bit) otherwise; installed and removed with the patch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from utils import assert_close  # noqa: E402
+
+import cp_rope.hf as H  # noqa: E402
+from cp_rope.hf._compat import FAMILIES  # noqa: E402
+from cp_rope.hf.norms import fuse_rms_norms  # noqa: E402
+
+transformers = H.transformers
+
+
+def _norm_class(family):
+    module = FAMILIES[family][0]
+    return module, next(getattr(module, n) for n in dir(module) if n.endswith("RMSNorm"))
+
+
+def _reference(x, w, eps):
+    x, w = x.double(), w.double()
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("shape", [(37, 64), (1, 29, 4, 32)])  # hidden states; Qwen3's q_norm
+def test_bf16_fused_norm_matches_float64(family, shape):
+    module, cls = _norm_class(family)
+    norm = cls(shape[-1], eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(shape[-1]) * 0.3 + 1)
+    x = (torch.randn(*shape) * 3).to(torch.bfloat16).requires_grad_()
+    own = norm(x)  # transformers' forward: two roundings
+    handles = fuse_rms_norms(norm, module)
+    assert len(handles) == 1 and "forward" in norm.__dict__
+    got = norm(torch.full_like(x, float("nan")))  # poisoned input gives NaN, not stale rows
+    assert torch.isnan(got).all()
+    got = norm(x)
+    want = _reference(x.detach(), norm.weight.detach(), 1e-6)
+    assert got.dtype == torch.bfloat16 and got.shape == x.shape
+    assert_close(got, want, dtype=torch.bfloat16, name=f"{family} fused rms_norm")
+    err = float((got.double() - want).norm() / want.norm())
+    err_own = float((own.double() - want).norm() / want.norm())
+    assert err <= err_own * 1.01 + 1e-6, (err, err_own)  # one rounding: no worse than two
+    g = torch.randn(shape).to(torch.bfloat16)
+    dx, dw = torch.autograd.grad(got, (x, norm.weight), g)
+    xr = x.detach().double().requires_grad_()
+    wr = norm.weight.detach().double().requires_grad_()
+    rx, rw = torch.autograd.grad(_reference(xr, wr, 1e-6), (xr, wr), g.double())
+    for a, b, name in ((dx, rx, "dx"), (dw, rw, "dweight")):
+        rel = float((a.double() - b).norm() / b.norm())
+        assert rel <= 2 ** -7, (family, name, rel)  # normwise, a few bf16 roundings
+    handles[0].remove()
+    assert "forward" not in norm.__dict__
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_high_precision_runs_transformers_own_forward(dtype):
+    module, cls = _norm_class("qwen3")
+    norm = cls(48, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(48) + 0.5)
+    x = torch.randn(5, 48, dtype=dtype)
+    own = norm(x)
+    fuse_rms_norms(norm, module)
+    assert torch.equal(norm(x), own)
+
+
+def test_patch_model_installs_and_removes_fused_norms():
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=61,
+                                   head_dim=8, attention_dropout=0.0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    norms = [m for m in model.modules() if type(m).__name__ == "Qwen3RMSNorm"]
+    assert len(norms) == 2 * 4 + 1  # per layer: input, post-attention, q, k; the final one
+    H.patch_model(model)
+    assert all("forward" in m.__dict__ for m in norms)
+    H.unpatch_model(model)
+    assert not any("forward" in m.__dict__ for m in norms)
+    H.patch_model(model, fused_norm=False)
+    assert not any("forward" in m.__dict__ for m in norms)
+    H.unpatch_model(model)
+    with pytest.raises(TypeError, match="fused_norm"):
+        H.patch_model(model, fused_norm="yes")
