@@ -18,7 +18,7 @@ each one a fresh trainer: ``cp_rope.launch.finetune_hf.main`` /
 A config that runs out of memory (or past its share of ``--budget-s``) is a
 result ("OOM" / "timeout"), not a failure. Each result: peak allocated GiB
 (``torch.cuda.max_memory_allocated`` over the run), tokens/s and MFU of the
-steps after the first, the planner's predicted peak
+later half of the steps (the first ones build cuDNN graphs for new batch shapes), the planner's predicted peak
 (:func:`cp_rope.launch.plan_memory.estimate`) and the ratio. ``--print-plans``
 adds the planner's answers for 1,048,576 tokens (cp 1 and per rank at cp 8) for
 the 1b preset and a Llama-3-8B shape on 141 GB GPUs. Prints a markdown table.
@@ -150,7 +150,8 @@ def _read_metrics(out_dir: str) -> dict:
     rows = [r for r in rows if "tokens_per_s" in r]
     if not rows:
         return {"steps": 0}
-    timed = [r for r in rows if r["step"] >= 2] or rows
+    last = max(r["step"] for r in rows)  # the later half (cuDNN graphs of new shapes built)
+    timed = [r for r in rows if r["step"] > max(1, last // 2)] or rows
     out = {"steps": len(rows), "peak_gib": max(r["peak_mem_gib"] for r in rows),
            "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed)}
     if all("mfu" in r for r in timed):
@@ -176,6 +177,7 @@ def _child(group: str, work: str, results: str, deadline: float) -> None:
         if g != group or (only and tokens not in only):
             continue
         left = deadline - time.time()
+        steps = int(os.environ.get("BENCH_MEMORY_STEPS") or steps)
         row = {"group": g, "tokens": tokens, "flags": " ".join(flags) or "(defaults)", "why": why}
         if left < need_s:
             row["result"] = f"skipped (budget: {left:.0f} s left, needs ~{need_s} s)"
@@ -253,6 +255,9 @@ def main() -> None:
                    help="wall seconds for all configs (default 420); the rest are skipped")
     p.add_argument("--out", default=None, help="write the rows as JSON here")
     p.add_argument("--print-plans", action="store_true")
+    p.add_argument("--steps", type=int, default=0,
+                   help="steps per config (default: each config's own); tokens/s is the mean "
+                        "of the later half")
     p.add_argument("--tokens", default="",
                    help="comma-separated tokens/step: run only the configs of these lengths")
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -280,7 +285,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", g, "--work", work, "--results", results,
                "--deadline", str(deadline)]
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-                   PYTHONUNBUFFERED="1", BENCH_MEMORY_TOKENS=a.tokens)
+                   PYTHONUNBUFFERED="1", BENCH_MEMORY_TOKENS=a.tokens,
+                   BENCH_MEMORY_STEPS=str(a.steps or ""))
         try:
             subprocess.run(cmd, env=env, timeout=share + 30, check=False)
         except subprocess.TimeoutExpired:
