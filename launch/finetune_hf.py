@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 try:
     from cp_rope.hf import load_causal_lm, local_config, patch_model
+    from cp_rope.hf.norms import LOW_PRECISION
 except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
     if __name__ == "__main__":
         print(f"error: {_exc}", file=sys.stderr)
@@ -63,6 +64,7 @@ except ImportError as _exc:  # no transformers: the command says how to install 
     raise
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cp_rope.parallel.choices import LossImpl
+from cp_rope.parallel.loss import _liger_function, auto_chunk_size, loss_impl
 from cp_rope.positions import global_positions
 
 from .cli import check_eval_flags, plain_text, run_cli
@@ -79,6 +81,7 @@ from .config import (
 )
 from .data import load_tokenizer
 from .offload import checkpoint_flag_argv
+from .parallelize import compute_dtype
 from .plan_memory import Shapes
 from .pretrain import set_up, setup_distributed, summarize, train_loop
 
@@ -107,7 +110,7 @@ class HFConfig:
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
     loss_impl: LossImpl = "auto"
-    """The fused loss's kernel: torch (cp_rope's chunked loop, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed, else torch. Same value and gradients up to the compute dtype's rounding."""
+    """The fused loss's kernel: torch (cp_rope's chunked loop of loss_chunk_size tokens, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA, its own chunks; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed and no --loss-chunk-size is given, else torch. The run's log names the one used. Same value and gradients up to the compute dtype's rounding."""
     fused_norm: bool = True
     """RMSNorms by PyTorch's fused rms_norm kernel in bf16 (cp_rope.hf.norms: no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
     mlp_tile_tokens: int = 0
@@ -272,12 +275,52 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
     if fc.parallel.rope_backend != "auto":
         raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
                           "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
+    _check_loss_impl(fc)
     n_ids = load_tokenizer(data).vocab_size
     if n_ids > hf_config.vocab_size:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r}: {n_ids} ids (byte-level when "
                           f"None) but the model's vocab_size is {hf_config.vocab_size}: pass the "
                           "model's tokenizer with --tokenizer")
     return cfg
+
+
+def _check_loss_impl(fc: FinetuneConfig) -> None:
+    """``--loss-impl`` against the other loss flags and this machine, before anything runs.
+
+    Raises: ConfigError naming ``hf.loss_impl``: not ``auto`` with ``--no-fused-loss``;
+    ``liger`` with ``--loss-chunk-size`` (Liger picks its own chunks), on a CPU run, or
+    without liger-kernel installed.
+    """
+    impl, hf = fc.hf.loss_impl, fc.hf
+    if impl != "auto" and not hf.fused_loss:
+        raise ConfigError(f"hf.loss_impl={impl!r}: is for the fused loss only (this run: "
+                          "--no-fused-loss)")
+    if impl != "liger":
+        return
+    if hf.loss_chunk_size:
+        raise ConfigError(f"hf.loss_impl='liger' with --loss-chunk-size {hf.loss_chunk_size}: "
+                          "Liger picks its own chunks; the chunk size is the torch loop's "
+                          "(--loss-impl torch or auto)")
+    device = fc.train.device
+    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
+        raise ConfigError("hf.loss_impl='liger': Liger-Kernel's kernels run on CUDA and this run "
+                          "is on cpu: use --loss-impl auto (or torch)")
+    if _liger_function() is None:
+        raise ConfigError("hf.loss_impl='liger': liger-kernel is not installed: pip install "
+                          "'cp-rope[liger]' (or use --loss-impl auto / torch)")
+
+
+def resolved_loss(model: HFCausalLM, device: torch.device, dtype: torch.dtype) -> str:
+    """What the run's loss is, for its log: ``"fused (liger)"``, ``"fused (torch, chunks of N)"``
+    or ``"unfused"``."""
+    if not model.fused_loss:
+        return "unfused"
+    chunk = model.loss_chunk_size or None
+    impl = loss_impl(model.loss_impl, torch.empty(0, dtype=dtype, device=device), chunk)
+    if impl == "liger":
+        return "fused (liger)"
+    vocab = model.lm.get_output_embeddings().weight.shape[0]
+    return f"fused (torch, chunks of {chunk or auto_chunk_size(vocab)} tokens)"
 
 
 def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
@@ -334,6 +377,10 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
                     memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf")
+        dtype = compute_dtype(cfg, tr.device.type)
+        fused_norm = fc.hf.fused_norm and dtype in LOW_PRECISION
+        tr.log.write(f"loss: {resolved_loss(tr.model, tr.device, dtype)}; RMSNorm: "
+                     f"{'fused (torch rms_norm)' if fused_norm else 'transformers'}")
         if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
             path = os.path.join(cfg.train.out_dir, "config.json")
             with open(path, "w") as f:

@@ -343,19 +343,26 @@ def _liger_function():
     return _LIGER[0]
 
 
-def loss_impl(impl: str, hidden: torch.Tensor) -> str:
+def loss_impl(impl: str, hidden: torch.Tensor, chunk_size: int | None = None) -> str:
     """The implementation :func:`cp_linear_cross_entropy` runs for ``impl`` (one of
-    :data:`~cp_rope.parallel.choices.LOSS_IMPLS`) and ``hidden``: ``"torch"`` or ``"liger"``.
+    :data:`~cp_rope.parallel.choices.LOSS_IMPLS`), ``hidden`` and ``chunk_size``: ``"torch"``
+    or ``"liger"``. A ``chunk_size`` sets the torch loop's chunks: with ``"auto"`` it selects
+    ``"torch"``; Liger picks its own chunks, so with ``"liger"`` it is refused.
 
-    Raises: ValueError naming ``impl`` when it is not one of :data:`LOSS_IMPLS`, or is
-    ``"liger"`` for a tensor Liger cannot take (not CUDA, float64) or without liger-kernel.
+    Raises: ValueError naming ``impl`` when it is not one of the choices, or is ``"liger"`` for
+    a tensor Liger cannot take (not CUDA, float64), without liger-kernel, or with a
+    ``chunk_size``; TypeError naming ``hidden`` when it is not a tensor.
     """
-    if impl not in LOSS_IMPLS:
-        raise ValueError(f"impl={impl!r}: expected one of {list(LOSS_IMPLS)} (--loss-impl)")
+    if not isinstance(impl, str) or impl not in LOSS_IMPLS:
+        shown = repr(impl) if isinstance(impl, str) else f"a {type(impl).__name__}"
+        raise ValueError(f"impl={shown}: expected one of {list(LOSS_IMPLS)} (--loss-impl)")
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
     cuda = hidden.is_cuda
     if impl == "auto":
         low = hidden.dtype in (torch.bfloat16, torch.float16)
-        return "liger" if cuda and low and _liger_function() is not None else "torch"
+        use = cuda and low and chunk_size is None and _liger_function() is not None
+        return "liger" if use else "torch"
     if impl == "liger":
         if not cuda or hidden.dtype == torch.float64:
             raise ValueError(f"impl='liger' (--loss-impl): Liger-Kernel's Triton kernels run on "
@@ -364,6 +371,10 @@ def loss_impl(impl: str, hidden: torch.Tensor) -> str:
         if _liger_function() is None:
             raise ValueError("impl='liger' (--loss-impl): liger-kernel is not installed: "
                              "pip install 'cp-rope[liger]' (or use impl='torch' / 'auto')")
+        if chunk_size is not None:
+            raise ValueError(f"impl='liger' (--loss-impl) with chunk_size={chunk_size} "
+                             "(--loss-chunk-size): Liger picks its own chunks; the chunk size "
+                             "is the torch loop's (impl='torch' or 'auto')")
     return impl
 
 
@@ -408,8 +419,8 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         softcap: final logit soft-capping (``cap * tanh(logits / cap)``, Gemma 2's
             ``final_logit_softcapping``), > 0, or None.
         cu_seqlens: optional local cu_seqlens, validated as in :func:`cp_cross_entropy`.
-        impl: one of :data:`~cp_rope.parallel.choices.LOSS_IMPLS` (:func:`loss_impl`); ``chunk_size`` applies to
-            ``"torch"`` only.
+        impl: one of :data:`~cp_rope.parallel.choices.LOSS_IMPLS` (:func:`loss_impl`); a
+            ``chunk_size`` is the torch loop's (with ``"auto"`` it selects ``"torch"``).
 
     Returns:
         0-dim tensor in ``promote(hidden.dtype, float32)``, the same on every rank:
@@ -443,6 +454,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
             raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, "
                             f"{hidden.device}), got ({weight.dtype}, {weight.device})")
+        given_chunk = chunk_size
         if chunk_size is None:
             chunk_size = auto_chunk_size(weight.shape[0])
         elif isinstance(chunk_size, bool) or not isinstance(chunk_size, numbers.Integral):
@@ -454,7 +466,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
                                         and softcap > 0):
             raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
-        impl = loss_impl(impl, hidden)
+        impl = loss_impl(impl, hidden, given_chunk)
     except (TypeError, ValueError) as exc:
         error = exc
     fields = {"V (weight.shape[0])": 0, "ignore_index": 0, "softcap (0: none)": 0.0}

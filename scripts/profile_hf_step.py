@@ -12,8 +12,11 @@ tokens (log-uniform, seed 0). Switches compare the pieces one at a time: ``--nor
 (``hf``: the model's own RMSNorm; ``fused``: what ``patch_model`` installs), ``--loss``
 (``auto`` / ``torch`` / ``liger``: cp_linear_cross_entropy's implementations; ``unfused``:
 the logits, then cp_cross_entropy), checkpointing and offload as the
-trainers' flags. Prints one JSON line per run: peak allocated GiB above the parameters,
-forward / backward milliseconds (CUDA events, mean of ``--steps``), tokens/s.
+trainers' flags (``--norm default`` is what ``patch_model`` does by default: fused). Prints
+one JSON line per run: peak allocated GiB and that above the parameters (``null`` on CPU),
+forward / backward milliseconds (wall clock with the GPU synchronised around each phase,
+mean of ``--steps`` after one warm-up step), tokens/s; ``--profile`` adds torch.profiler's
+table of one more step on stderr.
 """
 
 from __future__ import annotations
@@ -96,35 +99,46 @@ def run(a) -> dict:
         if step:
             fwd_ms.append(1e3 * (t1 - t0))
             bwd_ms.append(1e3 * (t2 - t1))
-    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peak = torch.cuda.max_memory_allocated() if cuda else None
     f, b = sum(fwd_ms) / len(fwd_ms), sum(bwd_ms) / len(bwd_ms)
     out = {"tokens": a.tokens, "norm": a.norm, "loss": a.loss, "ckpt": a.checkpointing,
            "offload": a.offload, "mlp_tile": a.mlp_tile, "fwd_ms": round(f, 1),
            "bwd_ms": round(b, 1), "tok_s": round(a.tokens / (f + b) * 1e3),
-           "peak_gib": round(peak / 2**30, 2), "act_gib": round((peak - base) / 2**30, 2),
+           "peak_gib": None if peak is None else round(peak / 2**30, 2),
+           "act_gib": None if peak is None else round((peak - base) / 2**30, 2),
            "loss_value": round(float(loss.detach()), 4)}
     if a.profile:
         from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with profile(activities=acts) as prof:
             loss = loss_of(model, a, ids, cu, max_len, labels)
             loss.backward()
-            torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=a.profile_rows,
+            sync()
+        print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=a.profile_rows,
                                         max_name_column_width=70), file=sys.stderr)
     return out
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=32768)
-    p.add_argument("--norm", choices=("default", "hf", "fused"), default="default")
-    p.add_argument("--loss", choices=("auto", "torch", "liger", "unfused"), default="auto")
-    p.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none")
-    p.add_argument("--offload", action="store_true")
-    p.add_argument("--mlp-tile", type=int, default=0)
-    p.add_argument("--steps", type=int, default=2)
-    p.add_argument("--profile", action="store_true")
-    p.add_argument("--profile-rows", type=int, default=30)
+    def positive(s):
+        if not s.lstrip("-").isdigit() or int(s) < 1:
+            raise argparse.ArgumentTypeError(f"{s!r}: an integer >= 1")
+        return int(s)
+
+    p.add_argument("--tokens", type=positive, default=32768, help="tokens of the packed batch")
+    p.add_argument("--norm", choices=("default", "hf", "fused"), default="default",
+                   help="RMSNorm: patch_model's default (fused), transformers' own, or fused")
+    p.add_argument("--loss", choices=("auto", "torch", "liger", "unfused"), default="auto",
+                   help="cp_linear_cross_entropy's impl, or the logits then cp_cross_entropy")
+    p.add_argument("--checkpointing", choices=("none", "full", "selective"), default="none",
+                   help="the trainers' --activation-checkpointing")
+    p.add_argument("--offload", action="store_true", help="the trainers' --offload-activations")
+    p.add_argument("--mlp-tile", type=int, default=0,
+                   help="the trainers' --mlp-tile-tokens (0 = untiled)")
+    p.add_argument("--steps", type=positive, default=2, help="timed steps after one warm-up")
+    p.add_argument("--profile", action="store_true", help="torch.profiler table of one step")
+    p.add_argument("--profile-rows", type=positive, default=30)
     p.add_argument("--tiny", action="store_true", help="tiny shapes (a CPU check of the script)")
     a = p.parse_args()
     if a.tiny:

@@ -47,8 +47,8 @@ def test_bf16_fused_norm_matches_float64(family, shape):
     want = _reference(x.detach(), norm.weight.detach(), 1e-6)
     assert got.dtype == torch.bfloat16 and got.shape == x.shape
     assert_close(got, want, dtype=torch.bfloat16, name=f"{family} fused rms_norm")
-    err = float((got.double() - want).norm() / want.norm())
-    err_own = float((own.double() - want).norm() / want.norm())
+    err = float((got.detach().double() - want).norm() / want.norm())
+    err_own = float((own.detach().double() - want).norm() / want.norm())
     assert err <= err_own * 1.01 + 1e-6, (err, err_own)  # one rounding: no worse than two
     g = torch.randn(shape).to(torch.bfloat16)
     dx, dw = torch.autograd.grad(got, (x, norm.weight), g)
@@ -90,3 +90,75 @@ def test_patch_model_installs_and_removes_fused_norms():
     H.unpatch_model(model)
     with pytest.raises(TypeError, match="fused_norm"):
         H.patch_model(model, fused_norm="yes")
+
+
+def _tiny_qwen3(dtype=torch.bfloat16):
+    cfg = transformers.Qwen3Config(hidden_size=32, intermediate_size=48, num_attention_heads=4,
+                                   num_key_value_heads=2, num_hidden_layers=2, vocab_size=61,
+                                   head_dim=8, attention_dropout=0.0)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+
+
+def test_deepcopy_of_a_patched_model_uses_its_own_weights():
+    """The fused norms and tiled MLPs are bound to their module: a deep copy (reference model,
+    EMA) runs with the copy's weights, not the original's."""
+    import copy
+
+    from cp_rope.parallel import PackingCollator
+
+    model = H.patch_model(_tiny_qwen3(), mlp_tile_tokens=4)
+    batch = PackingCollator()([{"input_ids": torch.randint(0, 61, (11,))}])
+    before = model(**H.model_inputs(batch)).logits
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.model.norm.weight.zero_()
+        for layer in twin.model.layers:
+            layer.mlp.down_proj.weight.mul_(2)
+    assert torch.equal(twin(**H.model_inputs(batch)).logits, torch.zeros_like(before))
+    assert torch.equal(model(**H.model_inputs(batch)).logits, before)  # the original unchanged
+    assert twin.model.norm.forward.__self__ is twin.model.norm
+    assert twin.model.layers[0].mlp.forward.__self__ is twin.model.layers[0].mlp
+
+
+def test_a_foreign_forward_wrapper_is_refused_not_discarded():
+    model = _tiny_qwen3()
+    norm = model.model.norm
+    norm.forward = lambda x: x  # e.g. an accelerate hook installed on the instance
+    with pytest.raises(ValueError, match="fused_norm.*own forward"):
+        H.patch_model(model)
+    assert not hasattr(model, "cp_rope_patch")  # nothing half-patched
+    assert not any(hasattr(m, "cp_rope_patch") for m in model.modules())
+    assert not any("forward" in m.__dict__ for m in model.modules() if m is not norm)
+    del norm.forward
+    mlp = model.model.layers[1].mlp
+    mlp.forward = lambda x: x
+    with pytest.raises(ValueError, match="mlp_tile_tokens.*own forward"):
+        H.patch_model(model, mlp_tile_tokens=4)
+    assert not any("forward" in m.__dict__ for m in model.modules() if m is not mlp)
+
+
+def test_fused_norm_takes_the_keyword_and_checks_its_module_argument():
+    module, cls = _norm_class("llama")
+    norm = cls(16).to(torch.bfloat16)
+    fuse_rms_norms(norm, module)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    assert torch.equal(norm(hidden_states=x), norm(x))
+    with pytest.raises(TypeError, match="family_module"):
+        fuse_rms_norms(norm, "llama")
+
+
+@pytest.mark.parametrize("flags, match", [
+    (["--loss-impl", "liger", "--device", "cpu"], "hf.loss_impl='liger'.*cpu"),
+    (["--loss-impl", "liger", "--loss-chunk-size", "512"], "hf.loss_impl='liger'.*chunk"),
+    (["--loss-impl", "torch", "--no-fused-loss"], "hf.loss_impl='torch'.*fused loss only"),
+])
+def test_finetune_refuses_loss_impl_combinations_up_front(tmp_path, flags, match):
+    """Before any data or model is loaded (finetune_hf.resolve), naming the field."""
+    from cp_rope.launch.config import ConfigError
+    from cp_rope.launch.finetune_hf import _check_loss_impl, parse_args
+
+    fc = parse_args(["--model", str(tmp_path), *flags])
+    with pytest.raises(ConfigError, match=match):
+        _check_loss_impl(fc)
+    _check_loss_impl(parse_args(["--model", str(tmp_path)]))  # the defaults pass

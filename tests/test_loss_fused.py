@@ -131,6 +131,24 @@ def test_loss_impl_choice():
         loss_impl("liger", h)
     with pytest.raises(ValueError, match="impl='fast'.*--loss-impl"):
         loss_impl("fast", h)
+    with pytest.raises(ValueError, match="impl=a Tensor"):  # arguments swapped: no tensor dump
+        loss_impl(h, "auto")
+    with pytest.raises(TypeError, match="hidden"):
+        loss_impl("auto", None)
+    cuda_bf16 = torch.empty(2, 3, dtype=torch.bfloat16, device="meta")
+    from unittest import mock  # a CUDA bf16 tensor with liger-kernel present, as far as it asks
+
+    with mock.patch.object(type(cuda_bf16), "is_cuda", property(lambda t: True)), \
+            mock.patch.object(loss_module, "_LIGER", [_fake_liger]):
+        assert loss_impl("auto", cuda_bf16) == "liger"
+        assert loss_impl("auto", cuda_bf16, chunk_size=512) == "torch"  # its chunks: the loop
+        with pytest.raises(ValueError, match="impl='liger'.*--loss-chunk-size"):
+            loss_impl("liger", cuda_bf16, chunk_size=512)
+    with mock.patch.object(type(cuda_bf16), "is_cuda", property(lambda t: True)), \
+            mock.patch.object(loss_module, "_LIGER", [None]):
+        assert loss_impl("auto", cuda_bf16) == "torch"
+        with pytest.raises(ValueError, match="not installed.*cp-rope\\[liger\\]"):
+            loss_impl("liger", cuda_bf16)
     with pytest.raises(ValueError, match="impl='liger'"):  # the public door names it too
         cp_linear_cross_entropy(h, torch.zeros(5, 3, dtype=torch.bfloat16),
                                 torch.tensor([0, 1]), impl="liger")
@@ -147,8 +165,9 @@ def test_cuda_bfloat16_matches_float64_reference(softcap, impl):
     if impl == "liger" and loss_module._liger_function() is None:
         pytest.skip("liger-kernel not installed")
     h, w, labels = _data(3000, 256, 5000, seed=4, dtype=torch.bfloat16)
-    got = _grads(cp_linear_cross_entropy, h.cuda(), w.cuda(), labels.cuda(), chunk_size=512,
-                 softcap=softcap, impl=impl)
+    chunk = {"chunk_size": 512} if impl == "torch" else {}  # Liger picks its own chunks
+    got = _grads(cp_linear_cross_entropy, h.cuda(), w.cuda(), labels.cuda(), softcap=softcap,
+                 impl=impl, **chunk)
     ref = _grads(_reference, h.double(), w.double(), labels, softcap=softcap)
     unfused = _grads(_unfused, h.cuda(), w.cuda(), labels.cuda(), softcap=softcap)
     for a, b, u, name in zip(got, ref, unfused, ("loss", "dhidden", "dweight"), strict=True):

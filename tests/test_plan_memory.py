@@ -118,3 +118,24 @@ def test_command_line(tmp_path, capsys):
         main(["--preset", "1b", "--seq-len", "0"])
     with pytest.raises(ConfigError, match="no config.json"):
         Shapes.from_hf_dir(str(tmp_path / "nothing"))
+
+
+QWEN3_SHAPED = Shapes(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=128, ffn=3072,
+                      vocab=151936, tied=True, qk_norm=True)
+
+
+@pytest.mark.parametrize("model,tokens,flags,measured_gib", [
+    ("1b", 262144, ("selective", True, 16384), 30.6),
+    ("1b", 524288, ("selective", True, 16384), 43.0),
+    ("qwen3", 32768, ("none", False, 0), 17.1),
+    ("qwen3", 262144, ("selective", False, 16384), 29.6),
+])
+def test_calibration_against_round_2_h200_peaks(model, tokens, flags, measured_gib):
+    """docs/benchmarks.md, Memory (rounds 1 and 2): scripts/bench_memory.py's peaks on one H200
+    where the planner is claimed within 10% (the Qwen3-shaped model with offload is not: the
+    trainer holds more layers in flight than the model assumes; see there)."""
+    s = Shapes.from_model_config(preset("1b").model) if model == "1b" else QWEN3_SHAPED
+    mode, offload, tile = flags
+    st = Settings(activation_checkpointing=mode, offload_activations=offload, mlp_tile_tokens=tile)
+    got = estimate(s, st, tokens=tokens, doc_len=tokens if model == "1b" else 16384)
+    assert abs(got["total"] / GIB / measured_gib - 1) < 0.10, got["total"] / GIB

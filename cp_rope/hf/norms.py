@@ -19,6 +19,8 @@ dtype than the input) run the model's own forward, bit for bit as unpatched.
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,7 +38,9 @@ class FusedNormHandle:
         self.module = module
 
     def remove(self) -> None:
-        self.module.__dict__.pop("forward", None)
+        forward = self.module.__dict__.get("forward")
+        if getattr(forward, "__func__", None) is _fused_forward:
+            del self.module.__dict__["forward"]
 
 
 def _is_family_rms_norm(m: nn.Module, family_module) -> bool:
@@ -46,30 +50,39 @@ def _is_family_rms_norm(m: nn.Module, family_module) -> bool:
             and hasattr(m, "variance_epsilon"))
 
 
+def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+    """The fused forward, bound to each norm (a bound method: ``copy.deepcopy`` of the model
+    rebinds it to the copy, and ``weight`` is read at call time, as FSDP2 swaps it per forward)."""
+    w = self.weight
+    if hidden_states.dtype not in LOW_PRECISION or w.dtype != hidden_states.dtype:
+        return type(self).forward(self, hidden_states)
+    return F.rms_norm(hidden_states, (hidden_states.shape[-1],), w, self.variance_epsilon)
+
+
 def fuse_rms_norms(model: nn.Module, family_module) -> list[FusedNormHandle]:
     """Run every RMSNorm of ``model`` defined in ``family_module`` (the family's modeling
     module, e.g. ``transformers.models.qwen3.modeling_qwen3``) with the fused kernel.
 
     The module keeps its class, parameter and state-dict names; its ``forward`` becomes
-    an instance attribute (removed by the handle) that reads ``weight`` at call time
-    (FSDP2 registers its unsharded parameter per forward).
+    an instance attribute (removed by the handle; fusing again replaces it).
 
     Returns: one handle per norm (``handle.remove()`` restores it); an empty list when the
     model has none (nothing to fuse is not an error: the family may name it otherwise).
+
+    Raises: TypeError naming ``family_module`` when it is not a module; ValueError naming
+    ``fused_norm`` when a norm already has another instance-level ``forward`` (a wrapper
+    installed by something else, e.g. accelerate's hooks), which fusing would discard.
     """
-    handles = []
-    for m in model.modules():
-        if not _is_family_rms_norm(m, family_module):
-            continue
-        FusedNormHandle(m).remove()  # fused once
-        original = m.forward
-
-        def forward(x, _m=m, _original=original):
-            w = _m.weight
-            if x.dtype not in LOW_PRECISION or w.dtype != x.dtype:
-                return _original(x)
-            return F.rms_norm(x, (x.shape[-1],), w, _m.variance_epsilon)
-
-        m.forward = forward
-        handles.append(FusedNormHandle(m))
-    return handles
+    if not isinstance(getattr(family_module, "__name__", None), str):
+        raise TypeError(f"family_module must be a transformers modeling module, got "
+                        f"{type(family_module).__name__}")
+    norms = [m for m in model.modules() if _is_family_rms_norm(m, family_module)]
+    for m in norms:
+        own = m.__dict__.get("forward")
+        if own is not None and getattr(own, "__func__", None) is not _fused_forward:
+            raise ValueError(f"fused_norm: {type(m).__name__} already has its own forward "
+                             f"wrapper ({own!r}); fusing would discard it: pass "
+                             "fused_norm=False (or remove that wrapper first)")
+    for m in norms:
+        m.forward = types.MethodType(_fused_forward, m)
+    return [FusedNormHandle(m) for m in norms]

@@ -297,6 +297,18 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
                                      or model.config.max_position_embeddings)
     if rope_kernel:
         _check_rope(patch, rotaries[0], model.config)
+    handles = []  # the first changes to the model: undone if one is refused
+    try:
+        if mlp_tile_tokens is not None:
+            handles += tile_mlps(model, mlp_tile_tokens)
+        if fused_norm:
+            handles += fuse_rms_norms(model, module)
+    except ValueError:
+        for h in handles:
+            h.remove()
+        raise
+    patch._handles.extend(handles)
+    if rope_kernel:
         _install_rope_dispatcher(module)
         patch._handles.append(rotaries[0].register_forward_hook(
             lambda mod, args, out: _packed_rope(patch, args, out)))
@@ -304,10 +316,6 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     for m in attns:
         m.cp_rope_patch = patch
     patch._modules = attns
-    if mlp_tile_tokens is not None:
-        patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
-    if fused_norm:
-        patch._handles.extend(fuse_rms_norms(model, module))
     patch._handles.append(decoder.register_forward_pre_hook(
         lambda mod, args, kwargs: _before_forward(patch, embed, args, kwargs), with_kwargs=True))
     patch._handles.append(decoder.register_forward_hook(
