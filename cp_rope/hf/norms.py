@@ -19,28 +19,16 @@ dtype than the input) run the model's own forward, bit for bit as unpatched.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["fuse_rms_norms", "FusedNormHandle", "LOW_PRECISION"]
+from ._forward import ForwardHandle, install_forward
+
+__all__ = ["fuse_rms_norms", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 """Input dtypes the fused norm runs for; others keep the model's own forward."""
-
-
-class FusedNormHandle:
-    """Undoes one module's fused forward (``remove()``, as a hook handle)."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def remove(self) -> None:
-        forward = self.module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is _fused_forward:
-            del self.module.__dict__["forward"]
 
 
 def _is_family_rms_norm(m: nn.Module, family_module) -> bool:
@@ -59,7 +47,7 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     return F.rms_norm(hidden_states, (hidden_states.shape[-1],), w, self.variance_epsilon)
 
 
-def fuse_rms_norms(model: nn.Module, family_module) -> list[FusedNormHandle]:
+def fuse_rms_norms(model: nn.Module, family_module) -> list[ForwardHandle]:
     """Run every RMSNorm of ``model`` defined in ``family_module`` (the family's modeling
     module, e.g. ``transformers.models.qwen3.modeling_qwen3``) with the fused kernel.
 
@@ -77,12 +65,4 @@ def fuse_rms_norms(model: nn.Module, family_module) -> list[FusedNormHandle]:
         raise TypeError(f"family_module must be a transformers modeling module, got "
                         f"{type(family_module).__name__}")
     norms = [m for m in model.modules() if _is_family_rms_norm(m, family_module)]
-    for m in norms:
-        own = m.__dict__.get("forward")
-        if own is not None and getattr(own, "__func__", None) is not _fused_forward:
-            raise ValueError(f"fused_norm: {type(m).__name__} already has its own forward "
-                             f"wrapper ({own!r}); fusing would discard it: pass "
-                             "fused_norm=False (or remove that wrapper first)")
-    for m in norms:
-        m.forward = types.MethodType(_fused_forward, m)
-    return [FusedNormHandle(m) for m in norms]
+    return install_forward(norms, _fused_forward, "fused_norm")

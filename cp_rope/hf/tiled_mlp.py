@@ -10,26 +10,13 @@ The module keeps its class, parameters and state-dict names; only its
 
 from __future__ import annotations
 
-import types
-
 from torch import nn
 
 from cp_rope.parallel._tiled_mlp import check_tile_tokens, tiled_mlp
 
-__all__ = ["tile_mlps", "TiledMLPHandle", "check_tile_tokens"]
+from ._forward import ForwardHandle, install_forward
 
-
-class TiledMLPHandle:
-    """Undoes one module's tiling (``remove()``, as a hook handle)."""
-
-    def __init__(self, module: nn.Module):
-        self.module = module
-
-    def remove(self) -> None:
-        forward = self.module.__dict__.get("forward")
-        if getattr(forward, "__func__", None) is _tiled_forward:
-            del self.module.__dict__["forward"]
-            self.module.__dict__.pop("cp_rope_tile_tokens", None)
+__all__ = ["tile_mlps", "check_tile_tokens"]
 
 
 def _tiled_forward(self: nn.Module, x):
@@ -40,7 +27,7 @@ def _tiled_forward(self: nn.Module, x):
                      list(self.parameters()), dim=-2)
 
 
-def tile_mlps(model: nn.Module, tile_tokens: int) -> list[TiledMLPHandle]:
+def tile_mlps(model: nn.Module, tile_tokens: int) -> list[ForwardHandle]:
     """Run the ``mlp`` of every decoder layer of ``model`` over tiles of ``tile_tokens`` tokens.
 
     Args:
@@ -61,12 +48,4 @@ def tile_mlps(model: nn.Module, tile_tokens: int) -> list[TiledMLPHandle]:
     if not mlps:
         raise ValueError("mlp_tile_tokens: the model has no decoder layers with an mlp "
                          "(base_model.layers[i].mlp) to tile")
-    for mlp in mlps:
-        own = mlp.__dict__.get("forward")
-        if own is not None and getattr(own, "__func__", None) is not _tiled_forward:
-            raise ValueError(f"mlp_tile_tokens: {type(mlp).__name__} already has its own "
-                             f"forward wrapper ({own!r}); tiling would discard it")
-    for mlp in mlps:
-        mlp.cp_rope_tile_tokens = tile
-        mlp.forward = types.MethodType(_tiled_forward, mlp)
-    return [TiledMLPHandle(mlp) for mlp in mlps]
+    return install_forward(mlps, _tiled_forward, "mlp_tile_tokens", cp_rope_tile_tokens=tile)
