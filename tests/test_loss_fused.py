@@ -120,7 +120,7 @@ def _liger_glue(h, w, labels, group=None, softcap=None):
     from unittest import mock
 
     with mock.patch.object(loss_module, "_LIGER", [_fake_liger]), \
-            mock.patch.object(loss_module, "loss_impl", lambda impl, hidden: impl):
+            mock.patch.object(loss_module, "loss_impl", lambda impl, hidden, chunk=None: impl):
         return cp_linear_cross_entropy(h, w, labels, group, softcap=softcap, impl="liger")
 
 
