@@ -63,8 +63,9 @@ except ImportError as _exc:  # no transformers: the command says how to install 
         raise SystemExit(2) from None
     raise
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
+from cp_rope.parallel._loss_impl import liger_function, loss_impl
 from cp_rope.parallel.choices import LossImpl
-from cp_rope.parallel.loss import _liger_function, auto_chunk_size, loss_impl
+from cp_rope.parallel.loss import auto_chunk_size
 from cp_rope.positions import global_positions
 
 from .cli import check_eval_flags, plain_text, run_cli
@@ -305,7 +306,7 @@ def _check_loss_impl(fc: FinetuneConfig) -> None:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         raise ConfigError("hf.loss_impl='liger': Liger-Kernel's kernels run on CUDA and this run "
                           "is on cpu: use --loss-impl auto (or torch)")
-    if _liger_function() is None:
+    if liger_function() is None:
         raise ConfigError("hf.loss_impl='liger': liger-kernel is not installed: pip install "
                           "'cp-rope[liger]' (or use --loss-impl auto / torch)")
 

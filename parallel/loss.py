@@ -39,9 +39,9 @@ from cp_rope.validation import (
 )
 
 from ._device import to_device
-from .choices import LOSS_IMPLS
+from ._loss_impl import liger_function, loss_impl
 
-__all__ = ["cp_cross_entropy", "cp_linear_cross_entropy", "loss_impl"]
+__all__ = ["cp_cross_entropy", "cp_linear_cross_entropy", "loss_impl"]  # loss_impl: _loss_impl
 
 
 class _GroupMean(torch.autograd.Function):
@@ -329,55 +329,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return grad_h, grad_w, None, None, None, None, None, None, None, None
 
 
-_LIGER: list = []  # [the function] once imported, [None] when liger-kernel is missing
-
-
-def _liger_function():
-    """Liger-Kernel's ``liger_fused_linear_cross_entropy``, or None when it cannot be imported."""
-    if not _LIGER:
-        try:
-            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
-        except ImportError:
-            liger_fused_linear_cross_entropy = None
-        _LIGER.append(liger_fused_linear_cross_entropy)
-    return _LIGER[0]
-
-
-def loss_impl(impl: str, hidden: torch.Tensor, chunk_size: int | None = None) -> str:
-    """The implementation :func:`cp_linear_cross_entropy` runs for ``impl`` (one of
-    :data:`~cp_rope.parallel.choices.LOSS_IMPLS`), ``hidden`` and ``chunk_size``: ``"torch"``
-    or ``"liger"``. A ``chunk_size`` sets the torch loop's chunks: with ``"auto"`` it selects
-    ``"torch"``; Liger picks its own chunks, so with ``"liger"`` it is refused.
-
-    Raises: ValueError naming ``impl`` when it is not one of the choices, or is ``"liger"`` for
-    a tensor Liger cannot take (not CUDA, float64), without liger-kernel, or with a
-    ``chunk_size``; TypeError naming ``hidden`` when it is not a tensor.
-    """
-    if not isinstance(impl, str) or impl not in LOSS_IMPLS:
-        shown = repr(impl) if isinstance(impl, str) else f"a {type(impl).__name__}"
-        raise ValueError(f"impl={shown}: expected one of {list(LOSS_IMPLS)} (--loss-impl)")
-    if not isinstance(hidden, torch.Tensor):
-        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
-    cuda = hidden.is_cuda
-    if impl == "auto":
-        low = hidden.dtype in (torch.bfloat16, torch.float16)
-        use = cuda and low and chunk_size is None and _liger_function() is not None
-        return "liger" if use else "torch"
-    if impl == "liger":
-        if not cuda or hidden.dtype == torch.float64:
-            raise ValueError(f"impl='liger' (--loss-impl): Liger-Kernel's Triton kernels run on "
-                             f"CUDA in float32/bf16/fp16; hidden is {hidden.dtype} on "
-                             f"{hidden.device}: use impl='torch' (or 'auto')")
-        if _liger_function() is None:
-            raise ValueError("impl='liger' (--loss-impl): liger-kernel is not installed: "
-                             "pip install 'cp-rope[liger]' (or use impl='torch' / 'auto')")
-        if chunk_size is not None:
-            raise ValueError(f"impl='liger' (--loss-impl) with chunk_size={chunk_size} "
-                             "(--loss-chunk-size): Liger picks its own chunks; the chunk size "
-                             "is the torch loop's (impl='torch' or 'auto')")
-    return impl
-
-
 def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                             group: dist.ProcessGroup | None = None, *, ignore_index: int = -100,
                             chunk_size: int | None = None, softcap: float | None = None,
@@ -436,8 +387,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
             non-integer labels, ``chunk_size`` not an int.
         ValueError: ``impl`` as :func:`loss_impl` says.
 
-    Cost: the three matmuls of the unfused loss; two all-reduces of one float64 scalar
-    (``torch``; ``liger``: one all-reduce of two).
+    Cost: the three matmuls of the unfused loss; two all-reduces of one float64 scalar.
     """
     _check_group(group)
     error = None
@@ -466,7 +416,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
                                         and softcap > 0):
             raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
-        impl = loss_impl(impl, hidden, given_chunk)
+        impl = loss_impl(impl, hidden, given_chunk, weight)
     except (TypeError, ValueError) as exc:
         error = exc
     fields = {"V (weight.shape[0])": 0, "ignore_index": 0, "softcap (0: none)": 0.0}
@@ -475,16 +425,19 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         _agree("cp_linear_cross_entropy", group, error, device, [0.0], fields)
     fields = {"V (weight.shape[0])": weight.shape[0], "ignore_index": ignore_index,
               "softcap (0: none)": 0.0 if softcap is None else float(softcap)}
-    if impl == "liger":  # S_r from Liger, then the group mean (module docstring) around it
-        local_sum = _liger_function()(hidden, weight, labels, ignore_index=ignore_index,
-                                      reduction="sum", softcap=softcap,
-                                      accum_dtype=torch.float32)
-        stats = _agree("cp_linear_cross_entropy", group, None, hidden.device,
-                       [local_sum, (labels != ignore_index).sum()], fields)
-        return _GroupMean.apply(local_sum, stats[0].to(local_sum.dtype),
-                                stats[1].clamp(min=1.0).to(local_sum.dtype))
     count = _agree("cp_linear_cross_entropy", group, None, hidden.device,
                    [(labels != ignore_index).sum()], fields)
+    if impl == "liger":
+        # S_r from Liger's kernel, then the group mean around it (module docstring): the same
+        # collectives as the torch loop (N first, the sum after), so ranks agree on both
+        local_sum = liger_function()(hidden, weight, labels, ignore_index=ignore_index,
+                                      reduction="sum", softcap=softcap,
+                                      accum_dtype=torch.float32)
+        total = local_sum.detach().to(torch.float64).reshape(1)
+        if dist.is_initialized() and dist.get_world_size(group) > 1:
+            dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
+        return _GroupMean.apply(local_sum, total[0].to(local_sum.dtype),
+                                count[0].clamp(min=1.0).to(local_sum.dtype))
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, int(chunk_size),

@@ -162,3 +162,26 @@ def test_finetune_refuses_loss_impl_combinations_up_front(tmp_path, flags, match
     with pytest.raises(ConfigError, match=match):
         _check_loss_impl(fc)
     _check_loss_impl(parse_args(["--model", str(tmp_path)]))  # the defaults pass
+
+
+def test_a_refused_repatch_leaves_the_previous_patch_in_place():
+    """patch_model checks everything before it removes the model's current patch."""
+    model = H.patch_model(_tiny_qwen3(), method="ring", mlp_tile_tokens=4)
+    before = model.cp_rope_patch
+    forwards = {n: m.__dict__["forward"] for n, m in model.named_modules() if "forward" in m.__dict__}
+    mlp = model.model.layers[1].mlp
+    with pytest.raises(ValueError, match="rope_kernel"):  # a rope dict cp_rope cannot reproduce
+        model.config.rope_parameters = {**model.config.rope_parameters, "rope_type": "dynamic",
+                                        "factor": 2.0}
+        H.patch_model(model, method="allgather")
+    model.config.rope_parameters = {k: v for k, v in model.config.rope_parameters.items()
+                                    if k not in ("rope_type", "factor")} | {"rope_type": "default"}
+    assert model.cp_rope_patch is before and model.config._attn_implementation == "cp_rope"
+    assert {n: m.__dict__.get("forward") for n, m in model.named_modules()
+            if n in forwards} == forwards
+    del mlp.forward  # someone else's wrapper instead of the tiled forward
+    mlp.forward = lambda x: x
+    with pytest.raises(ValueError, match="mlp_tile_tokens.*own forward"):
+        H.patch_model(model, mlp_tile_tokens=8)
+    assert model.cp_rope_patch is before and model.config._attn_implementation == "cp_rope"
+    assert model.model.norm.__dict__["forward"] is forwards["model.norm"]

@@ -18,6 +18,7 @@ from utils import assert_close  # noqa: E402
 
 from cp_rope.parallel import (  # noqa: E402
     PackingCollator,
+    _loss_impl,  # noqa: E402
     cp_cross_entropy,
     cp_linear_cross_entropy,
     cp_shard_indices,
@@ -119,8 +120,8 @@ def _liger_glue(h, w, labels, group=None, softcap=None):
     cp_rope puts around it (the kernel itself runs on CUDA only: test_cuda_* below)."""
     from unittest import mock
 
-    with mock.patch.object(loss_module, "_LIGER", [_fake_liger]), \
-            mock.patch.object(loss_module, "loss_impl", lambda impl, hidden, chunk=None: impl):
+    with mock.patch.object(_loss_impl, "_LIGER", [(_fake_liger, "")]), \
+            mock.patch.object(loss_module, "loss_impl", lambda impl, *_: impl):
         return cp_linear_cross_entropy(h, w, labels, group, softcap=softcap, impl="liger")
 
 
@@ -139,13 +140,19 @@ def test_loss_impl_choice():
     from unittest import mock  # a CUDA bf16 tensor with liger-kernel present, as far as it asks
 
     with mock.patch.object(type(cuda_bf16), "is_cuda", property(lambda t: True)), \
-            mock.patch.object(loss_module, "_LIGER", [_fake_liger]):
+            mock.patch.object(_loss_impl, "_LIGER", [(_fake_liger, "")]):
         assert loss_impl("auto", cuda_bf16) == "liger"
         assert loss_impl("auto", cuda_bf16, chunk_size=512) == "torch"  # its chunks: the loop
         with pytest.raises(ValueError, match="impl='liger'.*--loss-chunk-size"):
             loss_impl("liger", cuda_bf16, chunk_size=512)
+        # what Liger's kernel does not cover runs the loop: no rows; dweight without dhidden
+        assert loss_impl("liger", cuda_bf16[:0]) == "torch"
+        w = torch.empty(5, 3, dtype=torch.bfloat16, device="meta", requires_grad=True)
+        assert loss_impl("liger", cuda_bf16, weight=w) == "torch"
+        assert loss_impl("liger", cuda_bf16.requires_grad_(), weight=w) == "liger"
     with mock.patch.object(type(cuda_bf16), "is_cuda", property(lambda t: True)), \
-            mock.patch.object(loss_module, "_LIGER", [None]):
+            mock.patch.object(_loss_impl, "_LIGER", [(None, "liger-kernel is not installed: "
+                                                      "pip install 'cp-rope[liger]'")]):
         assert loss_impl("auto", cuda_bf16) == "torch"
         with pytest.raises(ValueError, match="not installed.*cp-rope\\[liger\\]"):
             loss_impl("liger", cuda_bf16)
@@ -162,7 +169,7 @@ def test_cuda_bfloat16_matches_float64_reference(softcap, impl):
     liger: Liger-Kernel's kernel, sum reduction, cp_rope's normalisation) against the float64
     CPU reference of the same bf16 inputs: normwise at least as close as the unfused bf16 loss
     (bf16 roundings differ elementwise)."""
-    if impl == "liger" and loss_module._liger_function() is None:
+    if impl == "liger" and _loss_impl.liger_function() is None:
         pytest.skip("liger-kernel not installed")
     h, w, labels = _data(3000, 256, 5000, seed=4, dtype=torch.bfloat16)
     chunk = {"chunk_size": 512} if impl == "torch" else {}  # Liger picks its own chunks
@@ -264,3 +271,18 @@ def _cp_body(rank, world):
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_cp_group_equals_single_process(world):
     run_distributed(_cp_body, world)
+
+
+def _refusal_body(rank, world):
+    """One rank's bad labels under each implementation: every rank raises (none waits in a
+    collective of another size: the liger path sends what the torch loop and a refusal send)."""
+    h, w, labels = _data(12, 4, 7, seed=rank)
+    if rank == 1:
+        labels = labels[:-1]
+    for fn in (cp_linear_cross_entropy, _liger_glue):
+        with pytest.raises((ValueError, RuntimeError), match="labels|rank 1"):
+            fn(h, w, labels, dist.group.WORLD)
+
+
+def test_a_rank_refused_its_arguments_every_rank_raises():
+    run_distributed(_refusal_body, 2, timeout_s=60)

@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 
 from torch import nn
 
-__all__ = ["ForwardHandle", "install_forward"]
+__all__ = ["ForwardHandle", "install_forward", "check_forward"]
 
 
 class ForwardHandle:
@@ -32,6 +32,17 @@ class ForwardHandle:
                 self.module.__dict__.pop(name, None)
 
 
+def check_forward(modules: Sequence[nn.Module], func: Callable, what: str) -> None:
+    """ValueError naming ``what`` (the option that asks for ``func``) when a module already has
+    an instance-level ``forward`` other than ``func`` bound to it."""
+    for m in modules:
+        own = m.__dict__.get("forward")
+        if own is not None and getattr(own, "__func__", None) is not func:
+            raise ValueError(f"{what}: {type(m).__name__} already has its own forward wrapper "
+                             f"({own!r}), which this would discard: remove it first, or leave "
+                             f"{what} off")
+
+
 def install_forward(modules: Sequence[nn.Module], func: Callable, what: str,
                     **attrs) -> list[ForwardHandle]:
     """Make ``func`` (``func(module, *args)``) each module's ``forward``, after setting
@@ -39,15 +50,9 @@ def install_forward(modules: Sequence[nn.Module], func: Callable, what: str,
 
     Returns: one handle per module.
 
-    Raises: ValueError naming ``what`` (the option that asked for it) when a module already
-    has another instance-level ``forward``; then no module is changed.
+    Raises: ValueError as :func:`check_forward`; then no module is changed.
     """
-    for m in modules:
-        own = m.__dict__.get("forward")
-        if own is not None and getattr(own, "__func__", None) is not func:
-            raise ValueError(f"{what}: {type(m).__name__} already has its own forward wrapper "
-                             f"({own!r}), which this would discard: remove it first, or leave "
-                             f"{what} off")
+    check_forward(modules, func, what)
     for m in modules:
         for name, value in attrs.items():
             setattr(m, name, value)

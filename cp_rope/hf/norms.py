@@ -25,7 +25,7 @@ from torch import nn
 
 from ._forward import ForwardHandle, install_forward
 
-__all__ = ["fuse_rms_norms", "LOW_PRECISION"]
+__all__ = ["fuse_rms_norms", "rms_norm_modules", "LOW_PRECISION"]
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 """Input dtypes the fused norm runs for; others keep the model's own forward."""
@@ -61,8 +61,15 @@ def fuse_rms_norms(model: nn.Module, family_module) -> list[ForwardHandle]:
     ``fused_norm`` when a norm already has another instance-level ``forward`` (a wrapper
     installed by something else, e.g. accelerate's hooks), which fusing would discard.
     """
+    return install_forward(rms_norm_modules(model, family_module), _fused_forward, "fused_norm")
+
+
+def rms_norm_modules(model: nn.Module, family_module) -> list[nn.Module]:
+    """The RMSNorms of ``model`` whose class ``family_module`` defines.
+
+    Raises: TypeError naming ``family_module`` when it is not a module.
+    """
     if not isinstance(getattr(family_module, "__name__", None), str):
         raise TypeError(f"family_module must be a transformers modeling module, got "
                         f"{type(family_module).__name__}")
-    norms = [m for m in model.modules() if _is_family_rms_norm(m, family_module)]
-    return install_forward(norms, _fused_forward, "fused_norm")
+    return [m for m in model.modules() if _is_family_rms_norm(m, family_module)]

@@ -25,8 +25,9 @@ from cp_rope.validation import (
 )
 
 from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
-from .norms import fuse_rms_norms
-from .tiled_mlp import check_tile_tokens, tile_mlps
+from ._forward import check_forward
+from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
+from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
 
 __all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
            "CPRopePatch", "ATTN_IMPLEMENTATION"]
@@ -269,15 +270,15 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     backend = check_choice("backend", backend, BACKEND_CHOICES)
     _, cp_size, cp_rank = group_position(group)  # the plan's own checks of `group`
     old = getattr(model, "cp_rope_patch", None)
-    if old is not None:
-        if old.group is not group:
-            raise ValueError("model: already patched by cp_rope.hf.patch_model for another "
-                             "process group; call cp_rope.hf.unpatch_model(model) first (or "
-                             "patch a fresh copy)")
-        unpatch_model(model)
+    if old is not None and old.group is not group:
+        raise ValueError("model: already patched by cp_rope.hf.patch_model for another "
+                         "process group; call cp_rope.hf.unpatch_model(model) first (or "
+                         "patch a fresh copy)")
+    # every check first: a refused patch (or re-patch) leaves the model as it was
     patch = CPRopePatch(group=group, cp_size=cp_size, cp_rank=cp_rank, method=method,
                         backend=backend, rope_kernel=rope_kernel, ulysses_size=ulysses_size,
-                        _attn_before=model.config._attn_implementation)
+                        _attn_before=old._attn_before if old is not None
+                        else model.config._attn_implementation)
     attn_cls, rotary_cls = getattr(module, attn_name), getattr(module, rotary_name)
     rotaries = [m for m in model.modules() if isinstance(m, rotary_cls)]
     attns = [m for m in model.modules() if isinstance(m, attn_cls)]
@@ -297,17 +298,17 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
                                      or model.config.max_position_embeddings)
     if rope_kernel:
         _check_rope(patch, rotaries[0], model.config)
-    handles = []  # the first changes to the model: undone if one is refused
-    try:
-        if mlp_tile_tokens is not None:
-            handles += tile_mlps(model, mlp_tile_tokens)
-        if fused_norm:
-            handles += fuse_rms_norms(model, module)
-    except ValueError:
-        for h in handles:
-            h.remove()
-        raise
-    patch._handles.extend(handles)
+    if mlp_tile_tokens is not None:
+        check_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens")
+    if fused_norm:
+        check_forward(rms_norm_modules(model, module), _fused_forward, "fused_norm")
+    # nothing below refuses
+    if old is not None:
+        unpatch_model(model)
+    if mlp_tile_tokens is not None:
+        patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
+    if fused_norm:
+        patch._handles.extend(fuse_rms_norms(model, module))
     if rope_kernel:
         _install_rope_dispatcher(module)
         patch._handles.append(rotaries[0].register_forward_hook(

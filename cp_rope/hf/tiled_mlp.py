@@ -16,7 +16,7 @@ from cp_rope.parallel._tiled_mlp import check_tile_tokens, tiled_mlp
 
 from ._forward import ForwardHandle, install_forward
 
-__all__ = ["tile_mlps", "check_tile_tokens"]
+__all__ = ["tile_mlps", "mlp_modules", "check_tile_tokens"]
 
 
 def _tiled_forward(self: nn.Module, x):
@@ -43,9 +43,18 @@ def tile_mlps(model: nn.Module, tile_tokens: int) -> list[ForwardHandle]:
     ``forward`` (a wrapper installed by something else), which tiling would discard.
     """
     tile = check_tile_tokens(tile_tokens, "mlp_tile_tokens")
+    return install_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens",
+                           cp_rope_tile_tokens=tile)
+
+
+def mlp_modules(model: nn.Module) -> list[nn.Module]:
+    """The ``mlp`` of every decoder layer (``base_model.layers[i].mlp``) of ``model``.
+
+    Raises: ValueError naming ``mlp_tile_tokens`` when there is none.
+    """
     layers = getattr(getattr(model, "base_model", model), "layers", None) or []
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module)]
     if not mlps:
         raise ValueError("mlp_tile_tokens: the model has no decoder layers with an mlp "
                          "(base_model.layers[i].mlp) to tile")
-    return install_forward(mlps, _tiled_forward, "mlp_tile_tokens", cp_rope_tile_tokens=tile)
+    return mlps

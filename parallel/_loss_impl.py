@@ -1,0 +1,71 @@
+"""Which implementation :func:`cp_rope.parallel.cp_linear_cross_entropy` runs: its own chunked
+torch loop, or Liger-Kernel's fused linear cross-entropy (``impl``, one of
+:data:`~cp_rope.parallel.choices.LOSS_IMPLS`), and the one import of liger-kernel."""
+
+from __future__ import annotations
+
+import torch
+
+from .choices import LOSS_IMPLS
+
+__all__ = ["loss_impl", "liger_function"]
+
+_LIGER: list = []  # [(the function or None, why it is unavailable)] once imported
+
+
+def liger_function():
+    """Liger-Kernel's ``liger_fused_linear_cross_entropy``, or None when it cannot be imported
+    (missing, or an import that fails otherwise: then :func:`loss_impl` says why)."""
+    if not _LIGER:
+        try:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+            _LIGER.append((liger_fused_linear_cross_entropy, ""))
+        except ImportError:
+            _LIGER.append((None, "liger-kernel is not installed: pip install 'cp-rope[liger]'"))
+        except Exception as exc:  # noqa: BLE001 - a broken install must not fail one rank alone
+            _LIGER.append((None, f"importing liger-kernel failed ({type(exc).__name__}: {exc})"))
+    return _LIGER[0][0]
+
+
+def loss_impl(impl: str, hidden: torch.Tensor, chunk_size: int | None = None,
+              weight: torch.Tensor | None = None) -> str:
+    """The implementation :func:`cp_linear_cross_entropy` runs for ``impl`` (one of
+    :data:`~cp_rope.parallel.choices.LOSS_IMPLS`), ``hidden``, ``chunk_size`` and ``weight``:
+    ``"torch"`` or ``"liger"``. A ``chunk_size`` sets the torch loop's chunks: with
+    ``"auto"`` it selects ``"torch"``; Liger picks its own chunks, so with ``"liger"`` it is
+    refused. Cases Liger's kernel does not cover run the torch loop, whatever ``impl`` says
+    (the same loss): no rows (``hidden`` ``[0, d]``), and a ``weight`` that needs a gradient
+    while ``hidden`` does not (Liger computes ``dweight`` only with ``dhidden``).
+
+    Raises: ValueError naming ``impl`` when it is not one of the choices, or is ``"liger"`` for
+    a tensor Liger cannot take (not CUDA, float64), without a working liger-kernel, or with a
+    ``chunk_size``; TypeError naming ``hidden`` when it is not a tensor.
+    """
+    if not isinstance(impl, str) or impl not in LOSS_IMPLS:
+        shown = repr(impl) if isinstance(impl, str) else f"a {type(impl).__name__}"
+        raise ValueError(f"impl={shown}: expected one of {list(LOSS_IMPLS)} (--loss-impl)")
+    if not isinstance(hidden, torch.Tensor):
+        raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+    cuda = hidden.is_cuda
+    if impl == "liger":
+        if not cuda or hidden.dtype == torch.float64:
+            raise ValueError(f"impl='liger' (--loss-impl): Liger-Kernel's Triton kernels run on "
+                             f"CUDA in float32/bf16/fp16; hidden is {hidden.dtype} on "
+                             f"{hidden.device}: use impl='torch' (or 'auto')")
+        if liger_function() is None:
+            raise ValueError(f"impl='liger' (--loss-impl): {_LIGER[0][1]} (or use impl='torch' "
+                             "/ 'auto')")
+        if chunk_size is not None:
+            raise ValueError(f"impl='liger' (--loss-impl) with chunk_size={chunk_size} "
+                             "(--loss-chunk-size): Liger picks its own chunks; the chunk size "
+                             "is the torch loop's (impl='torch' or 'auto')")
+    elif impl == "auto":
+        low = hidden.dtype in (torch.bfloat16, torch.float16)
+        if not (cuda and low and chunk_size is None and liger_function() is not None):
+            return "torch"
+    else:
+        return "torch"
+    uncovered = hidden.numel() == 0 or (
+        weight is not None and torch.is_grad_enabled() and weight.requires_grad
+        and not hidden.requires_grad)
+    return "torch" if uncovered else "liger"
