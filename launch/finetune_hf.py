@@ -63,7 +63,7 @@ except ImportError as _exc:  # no transformers: the command says how to install 
         raise SystemExit(2) from None
     raise
 from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
-from cp_rope.parallel._loss_impl import liger_function, loss_impl
+from cp_rope.parallel._loss_impl import liger_missing, loss_impl
 from cp_rope.parallel.choices import LossImpl
 from cp_rope.parallel.loss import auto_chunk_size
 from cp_rope.positions import global_positions
@@ -306,9 +306,9 @@ def _check_loss_impl(fc: FinetuneConfig) -> None:
     if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
         raise ConfigError("hf.loss_impl='liger': Liger-Kernel's kernels run on CUDA and this run "
                           "is on cpu: use --loss-impl auto (or torch)")
-    if liger_function() is None:
-        raise ConfigError("hf.loss_impl='liger': liger-kernel is not installed: pip install "
-                          "'cp-rope[liger]' (or use --loss-impl auto / torch)")
+    if liger_missing():
+        raise ConfigError(f"hf.loss_impl='liger': {liger_missing()} (or use --loss-impl auto / "
+                          "torch)")
 
 
 def resolved_loss(model: HFCausalLM, device: torch.device, dtype: torch.dtype) -> str:
@@ -317,7 +317,8 @@ def resolved_loss(model: HFCausalLM, device: torch.device, dtype: torch.dtype) -
     if not model.fused_loss:
         return "unfused"
     chunk = model.loss_chunk_size or None
-    impl = loss_impl(model.loss_impl, torch.empty(0, dtype=dtype, device=device), chunk)
+    # a one-row stand-in for the hidden states (no rows would pick the torch loop)
+    impl = loss_impl(model.loss_impl, torch.empty(1, 1, dtype=dtype, device=device), chunk)
     if impl == "liger":
         return "fused (liger)"
     vocab = model.lm.get_output_embeddings().weight.shape[0]

@@ -8,7 +8,7 @@ import torch
 
 from .choices import LOSS_IMPLS
 
-__all__ = ["loss_impl", "liger_function"]
+__all__ = ["loss_impl", "liger_function", "liger_missing"]
 
 _LIGER: list = []  # [(the function or None, why it is unavailable)] once imported
 
@@ -25,6 +25,11 @@ def liger_function():
         except Exception as exc:  # noqa: BLE001 - a broken install must not fail one rank alone
             _LIGER.append((None, f"importing liger-kernel failed ({type(exc).__name__}: {exc})"))
     return _LIGER[0][0]
+
+
+def liger_missing() -> str | None:
+    """Why Liger's kernel cannot be used here (not installed, or its import failed), or None."""
+    return None if liger_function() is not None else _LIGER[0][1]
 
 
 def loss_impl(impl: str, hidden: torch.Tensor, chunk_size: int | None = None,
@@ -52,9 +57,9 @@ def loss_impl(impl: str, hidden: torch.Tensor, chunk_size: int | None = None,
             raise ValueError(f"impl='liger' (--loss-impl): Liger-Kernel's Triton kernels run on "
                              f"CUDA in float32/bf16/fp16; hidden is {hidden.dtype} on "
                              f"{hidden.device}: use impl='torch' (or 'auto')")
-        if liger_function() is None:
-            raise ValueError(f"impl='liger' (--loss-impl): {_LIGER[0][1]} (or use impl='torch' "
-                             "/ 'auto')")
+        if liger_missing():
+            raise ValueError(f"impl='liger' (--loss-impl): {liger_missing()} (or use "
+                             "impl='torch' / 'auto')")
         if chunk_size is not None:
             raise ValueError(f"impl='liger' (--loss-impl) with chunk_size={chunk_size} "
                              "(--loss-chunk-size): Liger picks its own chunks; the chunk size "

@@ -58,18 +58,12 @@ class _GroupMean(torch.autograd.Function):
         return grad / count, None, None
 
 
-def group_mean(local_sum: torch.Tensor, labels: torch.Tensor, ignore_index: int,
-               group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``(sum_r S_r) / N`` over ``group`` with the gradient ``d S_r / N`` (module docstring).
-
-    ``local_sum``: 0-dim, this rank's summed per-token loss (differentiable);
-    ``labels``: this rank's ``[T]`` labels (``N`` counts those != ``ignore_index``).
-    Cost: one all-reduce of two float64 scalars.
-    """
-    count = (labels != ignore_index).sum()
-    stats = _agree("cp_cross_entropy", group, None, local_sum.device, [local_sum, count], {})
-    return _GroupMean.apply(local_sum, stats[0].to(local_sum.dtype),
-                            stats[1].clamp(min=1.0).to(local_sum.dtype))
+def _group_mean(local_sum: torch.Tensor, total: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """``(sum_r S_r) / N`` with the gradient ``d S_r / N`` (module docstring): ``local_sum`` is
+    this rank's differentiable ``S_r``; ``total`` and ``count`` are 0-dim, already summed over
+    the group (float64); ``N = 0`` divides by 1 (loss and gradients 0)."""
+    return _GroupMean.apply(local_sum, total.to(local_sum.dtype),
+                            count.clamp(min=1.0).to(local_sum.dtype))
 
 
 def _check_group(group) -> None:
@@ -185,8 +179,7 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     count = (labels != ignore_index).sum()
     stats = _agree("cp_cross_entropy", group, None, logits.device, [local_sum, count],
                    {"V (logits.shape[1])": logits.shape[1], "ignore_index": ignore_index})
-    return _GroupMean.apply(local_sum, stats[0].to(local_sum.dtype),
-                            stats[1].clamp(min=1.0).to(local_sum.dtype))
+    return _group_mean(local_sum, stats[0], stats[1])
 
 
 def _device_of(group) -> torch.device:
@@ -436,8 +429,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         total = local_sum.detach().to(torch.float64).reshape(1)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)
-        return _GroupMean.apply(local_sum, total[0].to(local_sum.dtype),
-                                count[0].clamp(min=1.0).to(local_sum.dtype))
+        return _group_mean(local_sum, total[0], count[0])
     grad = torch.is_grad_enabled()
     return _LinearCrossEntropy.apply(
         hidden, weight, labels, ignore_index, int(chunk_size),
