@@ -139,3 +139,26 @@ def test_calibration_against_round_2_h200_peaks(model, tokens, flags, measured_g
     st = Settings(activation_checkpointing=mode, offload_activations=offload, mlp_tile_tokens=tile)
     got = estimate(s, st, tokens=tokens, doc_len=tokens if model == "1b" else 16384)
     assert abs(got["total"] / GIB / measured_gib - 1) < 0.10, got["total"] / GIB
+
+
+def test_memory_timeline_marks_every_layer_and_phase(tmp_path):
+    """scripts/memory_timeline.py --tiny (the CPU plumbing of the GPU diagnostic in
+    docs/benchmarks.md, Memory round 3): one line per step with every layer's forward and
+    backward marks and the step's phases in order, and the garbage-collector probe's verdict."""
+    import os
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "memory_timeline.py"),
+                          "--tiny", "--tokens", "8192", "--steps", "2", "--gc-probe"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = [line for line in out.stdout.splitlines() if " start:" in line]
+    assert [line.split(":")[0] for line in lines] == ["step 1", "step 2"], out.stdout[-2000:]
+    for line in lines:
+        tags = [mark.split(":")[0] for mark in line.split(": ", 1)[1].split()]
+        assert tags == ["start", "f0<", "f0>", "f1<", "f1>", "fwd+loss", "b1", "b0", "bwd",
+                        "clip", "opt"], line
+    assert "gc probe: nothing held by reference cycles" in out.stdout

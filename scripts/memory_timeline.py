@@ -1,0 +1,173 @@
+#!/usr/bin/env python3
+"""Per-layer memory of finetune_hf's training steps, on the host's timeline, without adding a
+sync (one GPU; issue 21: where a step's peak comes from).
+
+    python scripts/memory_timeline.py --tokens 262144 --steps 3
+    python scripts/memory_timeline.py --tokens 262144 --steps 3 --gc-probe
+    python scripts/memory_timeline.py --tokens 1048576 --steps 2 -- --activation-checkpointing full \\
+        --offload-activations --mlp-tile-tokens 16384
+
+Runs ``cp_rope.launch.finetune_hf.main`` on bench_memory's Qwen3 shape and corpus
+(``scripts/bench_memory.py``; the flags after ``--`` replace its default memory flags,
+``--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384``)
+and records, at each mark, ``torch.cuda.memory_allocated`` and the peak since the previous
+mark (GiB): every layer's forward entry / exit (``f3<`` / ``f3>``) and first use of its
+offloaded tensors in backward (``b3``; these need ``--offload-activations`` and tensors of at
+least the offloader's 1 MiB), after the forward with the loss (``fwd+loss``), the backward
+(``bwd``), the gradient clip (``clip``) and the optimizer step (``opt``). One line per step.
+
+``--gc-probe``: at every backward mark, run Python's cyclic garbage collector with
+``gc.DEBUG_SAVEALL`` and report what it found: tensors held only by reference cycles (count,
+GiB), and the code of any frames among the garbage (a traceback kept alive in a cycle holds
+its frames' local tensors). Collecting frees what it finds, so a lower peak with the probe
+than without is itself evidence of a cycle.
+``--no-checkpoint-early-stop``: :func:`torch.utils.checkpoint.set_checkpoint_early_stop`
+(False) for the run (the recomputation then runs each layer to its end instead of stopping
+with an exception once the last saved tensor is rebuilt).
+
+``--tiny``: bench_memory's CPU plumbing shapes (memory numbers 0 on CPU; the marks and the
+probe still run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import sys
+import tempfile
+
+GIB = 2 ** 30
+DEFAULT_FLAGS = ["--activation-checkpointing", "selective", "--offload-activations",
+                 "--mlp-tile-tokens", "16384"]
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    extra = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=262144, help="tokens per step")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--gc-probe", action="store_true")
+    p.add_argument("--no-checkpoint-early-stop", action="store_true")
+    p.add_argument("--tiny", action="store_true")
+    a = p.parse_args(argv)
+    if a.tokens < 1 or a.steps < 1:
+        p.error(f"--tokens {a.tokens} / --steps {a.steps}: must be >= 1")
+    if a.tiny:
+        os.environ["BENCH_MEMORY_SMOKE"] = "1"
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_memory as B  # noqa: E402  (after BENCH_MEMORY_SMOKE: it sets the shapes)
+    import torch
+
+    from cp_rope.launch import finetune_hf, pretrain
+    from cp_rope.launch import offload as O
+
+    flags = extra or [f.replace("16384", "512") if a.tiny else f for f in DEFAULT_FLAGS]
+    work = tempfile.mkdtemp(prefix="memory_timeline_")
+    os.makedirs(f"{work}/qwen3")
+    with open(f"{work}/qwen3/config.json", "w") as f:
+        json.dump(B.QWEN, f)
+    B._corpus(f"{work}/docs.jsonl", (a.steps + 4) * a.tokens)
+    run_argv = B._argv("hf", a.tokens, flags, a.steps, work)
+    cuda = torch.cuda.is_available()
+    steps: list[list[str]] = []
+    probes: list[str] = []
+
+    def mark(tag: str) -> None:
+        alloc = torch.cuda.memory_allocated() / GIB if cuda else 0.0
+        peak = torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+        steps[-1].append(f"{tag}:{alloc:.1f}/{peak:.1f}")
+        if a.gc_probe and tag.startswith(("b", "clip")):
+            probe(f"step {len(steps)} {tag}")
+
+    def probe(where: str) -> None:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        try:
+            n = gc.collect()
+        finally:
+            gc.set_debug(0)
+        found = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
+        size = sum(t.untyped_storage().nbytes() for t in found if t.layout == torch.strided)
+        frames = sorted({f"{o.f_code.co_name}@{os.path.basename(o.f_code.co_filename)}"
+                         for o in gc.garbage if type(o).__name__ == "frame"})
+        gc.garbage.clear()
+        if found or frames:
+            probes.append(f"{where}: {n} objects in cycles, {len(found)} tensors "
+                          f"({size / GIB:.2f} GiB), frames {frames[:8]}")
+
+    inner_layer, inner_unpack = O.ActivationOffloader.layer, O.ActivationOffloader.unpack
+    seen: set[int] = set()
+
+    @contextlib.contextmanager
+    def layer(self, index):
+        mark(f"f{index}<")
+        with inner_layer(self, index) as x:
+            yield x
+        mark(f"f{index}>")
+
+    def unpack(self, h):
+        if isinstance(h, O._Handle) and h.stored.group not in seen:
+            seen.add(h.stored.group)
+            mark(f"b{h.stored.group}")
+        return inner_unpack(self, h)
+
+    inner_step, inner_clip = pretrain.train_step, pretrain.clip_gradients
+    inner_opt = torch.optim.AdamW.step
+
+    hooked: set[int] = set()
+
+    def step(model, *args, **kwargs):
+        if id(model) not in hooked:  # the model's forward returns the loss: mark it there
+            hooked.add(id(model))
+            model.register_forward_hook(lambda *_: mark("fwd+loss"))
+        steps.append([])
+        seen.clear()
+        mark("start")
+        loss = inner_step(model, *args, **kwargs)
+        mark("bwd")
+        return loss
+
+    def clip(*args, **kwargs):
+        out = inner_clip(*args, **kwargs)
+        mark("clip")
+        return out
+
+    def opt_step(self, *args, **kwargs):
+        out = inner_opt(self, *args, **kwargs)
+        mark("opt")
+        return out
+
+    O.ActivationOffloader.layer, O.ActivationOffloader.unpack = layer, unpack
+    pretrain.train_step, pretrain.clip_gradients = step, clip
+    torch.optim.AdamW.step = opt_step
+    early = (torch.utils.checkpoint.set_checkpoint_early_stop(False) if a.no_checkpoint_early_stop
+             else contextlib.nullcontext())
+    try:
+        with early:
+            finetune_hf.main(run_argv)
+    finally:
+        O.ActivationOffloader.layer, O.ActivationOffloader.unpack = inner_layer, inner_unpack
+        pretrain.train_step, pretrain.clip_gradients = inner_step, inner_clip
+        torch.optim.AdamW.step = inner_opt
+    print(f"memory timeline: {a.tokens:,} tokens/step, flags {' '.join(flags)}"
+          f"{', gc probe' if a.gc_probe else ''}"
+          f"{', no checkpoint early stop' if a.no_checkpoint_early_stop else ''} "
+          "(GiB: tag:allocated/peak since the previous mark)")
+    for i, marks in enumerate(steps, 1):
+        print(f"step {i}: " + " ".join(marks))
+    if a.gc_probe:
+        print("gc probe: " + ("nothing held by reference cycles" if not probes else ""))
+        for line in probes:
+            print("  " + line)
+
+
+if __name__ == "__main__":
+    main()
