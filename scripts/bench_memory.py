@@ -17,15 +17,16 @@ each one a fresh trainer: ``cp_rope.launch.finetune_hf.main`` /
 
 A config that runs out of memory (or past its share of ``--budget-s``) is a
 result ("OOM" / "timeout"), not a failure. Each result: peak allocated GiB
-(``torch.cuda.max_memory_allocated``) of the whole run and of the steps after the
-first (the peak statistic is reset at the start of every step, so each step's
-logged ``peak_mem_gib`` is its own; the first step also runs one-time set-up:
-kernel compilation, cuDNN graph builds, first pinned-memory allocations), tokens/s
-and MFU of the later half of the steps (the first ones build cuDNN graphs for new
-batch shapes; the 32K throughput config runs 40 steps so that its later half is
+(``torch.cuda.max_memory_allocated``) of every step (the peak statistic is reset at
+the start of each step, so each step's logged ``peak_mem_gib``, and the trainer's
+final "peak mem", are that step's own), their maximum (the run's peak) and the maximum
+over the steps after the first (which also compiles kernels and builds cuDNN graphs;
+which step peaks depends on its batch, see docs/benchmarks.md, Memory round 3),
+tokens/s and MFU of the later half of the steps (the first ones build cuDNN graphs for
+new batch shapes; the 32K throughput config runs 40 steps so that its later half is
 past most of them), the planner's predicted peak
-(:func:`cp_rope.launch.plan_memory.estimate`) and its ratio to the peak after
-the first step. ``--print-plans``
+(:func:`cp_rope.launch.plan_memory.estimate`) and its ratio to the peak of the steps
+after the first (none for a 1-step run). ``--print-plans``
 adds the planner's answers for 1,048,576 tokens (cp 1 and per rank at cp 8) for
 the 1b preset and a Llama-3-8B shape on 141 GB GPUs. Prints a markdown table.
 """

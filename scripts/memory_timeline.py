@@ -4,6 +4,7 @@ sync (one GPU; issue 21: where a step's peak comes from).
 
     python scripts/memory_timeline.py --tokens 262144 --steps 3
     python scripts/memory_timeline.py --tokens 262144 --steps 3 --gc-probe
+    python scripts/memory_timeline.py [options] -- TRAINER_FLAGS   # e.g.:
     python scripts/memory_timeline.py --tokens 1048576 --steps 2 -- --activation-checkpointing full \\
         --offload-activations --mlp-tile-tokens 16384
 
@@ -12,15 +13,18 @@ Runs ``cp_rope.launch.finetune_hf.main`` on bench_memory's Qwen3 shape and corpu
 ``--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384``)
 and records, at each mark, ``torch.cuda.memory_allocated`` and the peak since the previous
 mark (GiB): every layer's forward entry / exit (``f3<`` / ``f3>``) and first use of its
-offloaded tensors in backward (``b3``; these need ``--offload-activations`` and tensors of at
-least the offloader's 1 MiB), after the forward with the loss (``fwd+loss``), the backward
-(``bwd``), the gradient clip (``clip``) and the optimizer step (``opt``). One line per step.
+offloaded tensors in backward (``b3``; the per-layer marks come from the activation offloader,
+so they need ``--offload-activations``, and the backward ones tensors of at least its 1 MiB),
+after the forward with the loss (``fwd+loss``), the backward (``bwd``), the gradient clip
+(``clip``) and the optimizer step (``opt``). One line per step. Each mark resets the peak
+statistic, so the trainer's own ``peak mem`` lines in between are peaks since the last mark.
 
-``--gc-probe``: at every backward mark, run Python's cyclic garbage collector with
-``gc.DEBUG_SAVEALL`` and report what it found: tensors held only by reference cycles (count,
-GiB), and the code of any frames among the garbage (a traceback kept alive in a cycle holds
-its frames' local tensors). Collecting frees what it finds, so a lower peak with the probe
-than without is itself evidence of a cycle.
+``--gc-probe``: at every backward mark and after the clip, run Python's cyclic garbage
+collector with ``gc.DEBUG_SAVEALL`` and report what it found: CUDA tensors held only by
+reference cycles (count, GiB of distinct storages) and the code of any frames among the
+garbage (a traceback kept alive in a cycle holds its frames' local tensors); then free it
+(a plain collection) and report ``memory_allocated`` before and after. The first probe also
+finds the set-up's cyclic garbage.
 ``--no-checkpoint-early-stop``: :func:`torch.utils.checkpoint.set_checkpoint_early_stop`
 (False) for the run (the recomputation then runs each layer to its end instead of stopping
 with an exception once the last saved tensor is rebuilt).
@@ -36,6 +40,7 @@ import contextlib
 import gc
 import json
 import os
+import shutil
 import sys
 import tempfile
 
@@ -45,20 +50,28 @@ DEFAULT_FLAGS = ["--activation-checkpointing", "selective", "--offload-activatio
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run the steps and print the timeline (module docstring); ``argv`` as on the command line."""
     argv = sys.argv[1:] if argv is None else argv
-    extra = []
+    extra = None
     if "--" in argv:
         i = argv.index("--")
         argv, extra = argv[:i], argv[i + 1:]
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                usage="%(prog)s [options] [-- TRAINER_FLAGS]")
     p.add_argument("--tokens", type=int, default=262144, help="tokens per step")
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--gc-probe", action="store_true")
-    p.add_argument("--no-checkpoint-early-stop", action="store_true")
-    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--steps", type=int, default=3, help="training steps (one line each)")
+    p.add_argument("--gc-probe", action="store_true",
+                   help="report and free what reference cycles hold at each backward mark")
+    p.add_argument("--no-checkpoint-early-stop", action="store_true",
+                   help="recompute each checkpointed layer to its end (torch's early stop off)")
+    p.add_argument("--tiny", action="store_true", help="bench_memory's CPU plumbing shapes")
     a = p.parse_args(argv)
-    if a.tokens < 1 or a.steps < 1:
-        p.error(f"--tokens {a.tokens} / --steps {a.steps}: must be >= 1")
+    if a.tokens < 1:
+        p.error(f"--tokens {a.tokens}: must be >= 1 token per step")
+    if a.steps < 1:
+        p.error(f"--steps {a.steps}: must be >= 1")
+    if extra is not None and not extra:
+        p.error("'--' without trainer flags after it (leave it out for the default flags)")
     if a.tiny:
         os.environ["BENCH_MEMORY_SMOKE"] = "1"
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -89,19 +102,24 @@ def main(argv: list[str] | None = None) -> None:
             probe(f"step {len(steps)} {tag}")
 
     def probe(where: str) -> None:
-        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.set_debug(gc.DEBUG_SAVEALL)  # the cycles' objects into gc.garbage instead of freed
         try:
             n = gc.collect()
         finally:
             gc.set_debug(0)
-        found = [o for o in gc.garbage if isinstance(o, torch.Tensor)]
-        size = sum(t.untyped_storage().nbytes() for t in found if t.layout == torch.strided)
+        storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
+                    for o in gc.garbage if isinstance(o, torch.Tensor)
+                    and o.device.type == "cuda" and o.layout == torch.strided}
         frames = sorted({f"{o.f_code.co_name}@{os.path.basename(o.f_code.co_filename)}"
                          for o in gc.garbage if type(o).__name__ == "frame"})
+        before = torch.cuda.memory_allocated() if cuda else 0
         gc.garbage.clear()
-        if found or frames:
-            probes.append(f"{where}: {n} objects in cycles, {len(found)} tensors "
-                          f"({size / GIB:.2f} GiB), frames {frames[:8]}")
+        gc.collect()  # now free them (they are unreachable again once gc.garbage lets go)
+        after = torch.cuda.memory_allocated() if cuda else 0
+        if storages or frames:
+            probes.append(f"{where}: {n} objects in cycles, {len(storages)} CUDA storages "
+                          f"({sum(storages.values()) / GIB:.2f} GiB), frames {frames[:8]}; "
+                          f"allocated {before / GIB:.2f} -> {after / GIB:.2f} GiB after freeing")
 
     inner_layer, inner_unpack = O.ActivationOffloader.layer, O.ActivationOffloader.unpack
     seen: set[int] = set()
@@ -154,6 +172,7 @@ def main(argv: list[str] | None = None) -> None:
         with early:
             finetune_hf.main(run_argv)
     finally:
+        shutil.rmtree(work, ignore_errors=True)
         O.ActivationOffloader.layer, O.ActivationOffloader.unpack = inner_layer, inner_unpack
         pretrain.train_step, pretrain.clip_gradients = inner_step, inner_clip
         torch.optim.AdamW.step = inner_opt
@@ -164,7 +183,8 @@ def main(argv: list[str] | None = None) -> None:
     for i, marks in enumerate(steps, 1):
         print(f"step {i}: " + " ".join(marks))
     if a.gc_probe:
-        print("gc probe: " + ("nothing held by reference cycles" if not probes else ""))
+        print("gc probe: " + ("no CUDA tensor or frame held by reference cycles" if not probes
+                              else "what reference cycles held (then freed):"))
         for line in probes:
             print("  " + line)
 
