@@ -24,6 +24,14 @@ names:
   backward). Its ``nvidia-cutlass-dsl`` dependency only speeds up the
   metadata / LSE re-padding helpers (the frontend falls back to torch when it
   is absent; we re-pad ourselves): install with ``pip install --no-deps``.
+  Each call runs through :func:`_cudnn_call`, which frees at once the
+  reference cycle a graph build leaves: frontend 1.32 keeps the exception of a declined
+  heuristic mode in a local of the frame that caught it (``failure`` in
+  ``cudnn/_pygraph.py``'s ``_create_backend_plans``), a reference cycle that
+  holds every calling frame and its locals (q, k, v, out, dout, the backward's
+  workspace) until the collector runs: 12 GiB at 262,144 tokens and 48 GiB at
+  1,048,576 (Qwen3-shaped layer, bf16, one H200), kept for the rest of the
+  backward (scripts/memory_timeline.py ``--gc-watch --gc-save``).
 * :func:`all_gather_single` / :func:`reduce_scatter_single`: torch 2.13
   renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
 * :func:`group_timeout`: a process group's timeout (its backend's private
@@ -34,6 +42,7 @@ from __future__ import annotations
 
 import datetime
 import functools
+import gc
 import inspect
 
 import torch
@@ -178,6 +187,24 @@ def _cudnn_ops():
     return ops
 
 
+def _cudnn_call(name: str, *args, **kwargs):
+    """``torch.ops.cudnn.<name>(*args, **kwargs)`` with Python's automatic garbage collection
+    paused during the call and a collection of the youngest generation after it: the reference
+    cycle a frontend graph build leaves (the module docstring) is then still young and freed at
+    once (a collection during the build would have moved it to an older generation, where it
+    waits for a rarer collection). Between builds the collection finds a near-empty youngest
+    generation (microseconds). The collector's enabled state is restored, also on an error."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        out = getattr(_cudnn_ops(), name)(*args, **kwargs)
+    finally:
+        if enabled:
+            gc.enable()
+    gc.collect(0)
+    return out
+
+
 def cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     """THD forward: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA native), int32 cu_q / cu_k.
 
@@ -185,8 +212,8 @@ def cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
     token-major stats). Rows at or beyond ``cu_q[-1]`` are left unwritten; rows of a
     segment without keys hold NaN / garbage (callers fix both).
     """
-    out, stats = _cudnn_ops().sdpa_fwd(
-        q, k, v, scale, is_causal=causal, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
+    out, stats = _cudnn_call(
+        "sdpa_fwd", q, k, v, scale, is_causal=causal, cu_seqlens_q=cu_q, cu_seqlens_kv=cu_k,
         max_seqlen_q=max_q, max_seqlen_kv=max_k, return_lse=True)
     return out, stats[:, :, 0].t()
 
@@ -195,8 +222,8 @@ def cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k, caus
     """Gradients of :func:`cudnn_thd_fwd`; ``lse_padded`` float32 ``[B, Hq, max_q, 1]``
     (segment b's LSE in ``[b, :, :len_b]``; the rest is ignored). Returns (dq, dk, dv) in
     the input dtype; dk/dv with k's head count."""
-    return _cudnn_ops().sdpa_bwd(
-        dout, q, k, v, out, lse_padded, scale, is_causal=causal, cu_seqlens_q=cu_q,
+    return _cudnn_call(
+        "sdpa_bwd", dout, q, k, v, out, lse_padded, scale, is_causal=causal, cu_seqlens_q=cu_q,
         cu_seqlens_kv=cu_k, max_seqlen_q=max_q, max_seqlen_kv=max_k)
 
 
@@ -204,13 +231,13 @@ def cudnn_dense_fwd(q, k, v, causal, scale):
     """Dense forward of the same ops: q ``[B, Hq, S, D]``, k/v ``[B, Hkv, Sk, D]`` (any strides
     with a unit last one; the output adopts q's layout). Returns (out, stats
     ``[B, Hq, S, 1]`` float32 contiguous)."""
-    return _cudnn_ops().sdpa_fwd(q, k, v, scale, is_causal=causal, return_lse=True)
+    return _cudnn_call("sdpa_fwd", q, k, v, scale, is_causal=causal, return_lse=True)
 
 
 def cudnn_dense_bwd(dout, q, k, v, out, lse, causal, scale):
     """Gradients of :func:`cudnn_dense_fwd` (``lse`` ``[B, Hq, S, 1]`` float32), in q / k / v's
     layouts."""
-    return _cudnn_ops().sdpa_bwd(dout, q, k, v, out, lse, scale, is_causal=causal)
+    return _cudnn_call("sdpa_bwd", dout, q, k, v, out, lse, scale, is_causal=causal)
 
 
 # ----------------------------------------------------------------- flash_attn package

@@ -25,6 +25,8 @@ reference cycles (count, GiB of distinct storages) and the code of any frames am
 garbage (a traceback kept alive in a cycle holds its frames' local tensors); then free it
 (a plain collection) and report ``memory_allocated`` before and after. The first probe also
 finds the set-up's cyclic garbage.
+``--gc-watch``: report each automatic collection of Python's garbage collector that frees
+at least 64 MiB of CUDA memory (``gc.callbacks``; where in the step it ran, its generation).
 ``--no-checkpoint-early-stop``: :func:`torch.utils.checkpoint.set_checkpoint_early_stop`
 (False) for the run (the recomputation then runs each layer to its end instead of stopping
 with an exception once the last saved tensor is rebuilt).
@@ -36,6 +38,7 @@ probe still run).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import gc
 import json
@@ -45,6 +48,7 @@ import sys
 import tempfile
 
 GIB = 2 ** 30
+WATCH_BYTES = 64 << 20  # memory a collection must free to be reported
 DEFAULT_FLAGS = ["--activation-checkpointing", "selective", "--offload-activations",
                  "--mlp-tile-tokens", "16384"]
 
@@ -62,6 +66,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=3, help="training steps (one line each)")
     p.add_argument("--gc-probe", action="store_true",
                    help="report and free what reference cycles hold at each backward mark")
+    p.add_argument("--gc-watch", action="store_true",
+                   help="report every automatic garbage collection that frees CUDA memory")
+    p.add_argument("--gc-save", action="store_true",
+                   help="with --gc-watch: what each automatic collection found (types, CUDA tensors)")
     p.add_argument("--no-checkpoint-early-stop", action="store_true",
                    help="recompute each checkpointed layer to its end (torch's early stop off)")
     p.add_argument("--tiny", action="store_true", help="bench_memory's CPU plumbing shapes")
@@ -93,6 +101,11 @@ def main(argv: list[str] | None = None) -> None:
     probes: list[str] = []
 
     def mark(tag: str) -> None:
+        if pending:  # --gc-save: free what the collections since the last mark saved
+            pending.clear()
+            gc.set_debug(0)
+            gc.collect()
+            gc.set_debug(gc.DEBUG_SAVEALL)
         alloc = torch.cuda.memory_allocated() / GIB if cuda else 0.0
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
         if cuda:
@@ -107,19 +120,56 @@ def main(argv: list[str] | None = None) -> None:
             n = gc.collect()
         finally:
             gc.set_debug(0)
+        garbage = list(gc.garbage)
         storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
-                    for o in gc.garbage if isinstance(o, torch.Tensor)
+                    for o in garbage if isinstance(o, torch.Tensor)
                     and o.device.type == "cuda" and o.layout == torch.strided}
         frames = sorted({f"{o.f_code.co_name}@{os.path.basename(o.f_code.co_filename)}"
-                         for o in gc.garbage if type(o).__name__ == "frame"})
+                         for o in garbage if type(o).__name__ == "frame"})
+        types = collections.Counter(type(o).__name__ for o in garbage).most_common(8)
         before = torch.cuda.memory_allocated() if cuda else 0
         gc.garbage.clear()
+        del garbage
         gc.collect()  # now free them (they are unreachable again once gc.garbage lets go)
         after = torch.cuda.memory_allocated() if cuda else 0
-        if storages or frames:
+        if storages or frames or before - after >= WATCH_BYTES:
             probes.append(f"{where}: {n} objects in cycles, {len(storages)} CUDA storages "
-                          f"({sum(storages.values()) / GIB:.2f} GiB), frames {frames[:8]}; "
-                          f"allocated {before / GIB:.2f} -> {after / GIB:.2f} GiB after freeing")
+                          f"({sum(storages.values()) / GIB:.2f} GiB), frames {frames[:8]}, "
+                          f"types {types}; allocated {before / GIB:.2f} -> {after / GIB:.2f} GiB "
+                          "after freeing")
+
+    watched: list[str] = []
+    pending: list[list] = []  # --gc-save: what collections found, freed at the next mark
+    collecting: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        """gc.callbacks: memory freed by each automatic collection (a host counter, no sync)."""
+        if phase == "start":
+            collecting[:] = [torch.cuda.memory_allocated() if cuda else 0]
+        elif a.gc_save and gc.garbage and not steps:
+            pending.append(list(gc.garbage))  # the set-up's: freed at the next mark
+            gc.garbage.clear()
+        elif a.gc_save and gc.garbage:
+            garbage = list(gc.garbage)
+            pending.append(garbage)  # freed at the next mark
+            gc.garbage.clear()
+            t = [o for o in garbage if isinstance(o, torch.Tensor)]
+            names = collections.Counter(
+                getattr(o, "__qualname__", None) or type(o).__qualname__ for o in garbage
+                if not isinstance(o, (dict, tuple, list, torch.Tensor))).most_common(25)
+            last = steps[-1][-1].split(":")[0] if steps and steps[-1] else "set-up"
+            watched.append(f"step {len(steps)} after {last}: generation {info['generation']}: "
+                           f"{len(garbage)} objects, tensors "
+                           f"{[(tuple(x.shape), str(x.dtype)[6:]) for x in t][:12]} "
+                           f"(+{max(len(t) - 12, 0)}), names {names}")
+            del garbage, t
+        elif collecting:
+            freed = collecting.pop() - (torch.cuda.memory_allocated() if cuda else 0)
+            if freed >= WATCH_BYTES:
+                last = steps[-1][-1].split(":")[0] if steps and steps[-1] else "set-up"
+                watched.append(f"step {len(steps)} after {last}: generation "
+                               f"{info['generation']} collected {info['collected']} objects, "
+                               f"freed {freed / GIB:.2f} GiB")
 
     inner_layer, inner_unpack = O.ActivationOffloader.layer, O.ActivationOffloader.unpack
     seen: set[int] = set()
@@ -168,6 +218,10 @@ def main(argv: list[str] | None = None) -> None:
     torch.optim.AdamW.step = opt_step
     early = (torch.utils.checkpoint.set_checkpoint_early_stop(False) if a.no_checkpoint_early_stop
              else contextlib.nullcontext())
+    if a.gc_watch:
+        gc.callbacks.append(watch)
+        if a.gc_save:
+            gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         with early:
             finetune_hf.main(run_argv)
@@ -176,12 +230,20 @@ def main(argv: list[str] | None = None) -> None:
         O.ActivationOffloader.layer, O.ActivationOffloader.unpack = inner_layer, inner_unpack
         pretrain.train_step, pretrain.clip_gradients = inner_step, inner_clip
         torch.optim.AdamW.step = inner_opt
+        if watch in gc.callbacks:
+            gc.callbacks.remove(watch)
+        gc.set_debug(0)
     print(f"memory timeline: {a.tokens:,} tokens/step, flags {' '.join(flags)}"
           f"{', gc probe' if a.gc_probe else ''}"
           f"{', no checkpoint early stop' if a.no_checkpoint_early_stop else ''} "
           "(GiB: tag:allocated/peak since the previous mark)")
     for i, marks in enumerate(steps, 1):
         print(f"step {i}: " + " ".join(marks))
+    if a.gc_watch:
+        print("gc watch: " + ("no automatic collection freed CUDA memory" if not watched
+                              else "automatic collections that freed CUDA memory:"))
+        for line in watched:
+            print("  " + line)
     if a.gc_probe:
         print("gc probe: " + ("no CUDA tensor or frame held by reference cycles" if not probes
                               else "what reference cycles held (then freed):"))

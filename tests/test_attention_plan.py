@@ -13,8 +13,10 @@
 
 from __future__ import annotations
 
+import gc
 import sys
 import types
+import weakref
 
 import pytest
 import torch
@@ -195,6 +197,79 @@ def test_cudnn_frontend_import_and_version_check(monkeypatch):
         assert "not importable" in _compat.cudnn_frontend_unavailable()
     finally:
         real.cache_clear()
+
+
+class _CyclicFrontend:
+    """cuDNN frontend 1.32's ops as far as memory goes: a graph build (the first call of a
+    shape) catches a declined heuristic mode's exception and keeps it in a local, a reference
+    cycle (frame -> exception -> traceback -> frame, and on to the callers' frames) that holds
+    the call's locals; the build allocates enough objects to trigger automatic collections."""
+
+    def __init__(self):
+        self.built, self.workspaces, self.fail = set(), [], False
+
+    def sdpa_fwd(self, q, k, v, scale, **kwargs):
+        if self.fail:
+            raise RuntimeError("cuDNN: bad graph")
+        workspace = torch.empty(1 << 16)  # a local of the op's frame, as the real workspace is
+        self.workspaces.append(weakref.ref(workspace))
+        if tuple(q.shape) not in self.built:
+            self.built.add(tuple(q.shape))
+            self._build()
+        return q.clone(), torch.zeros(q.shape[0], q.shape[1], 1)
+
+    @staticmethod
+    def _build():
+        failure = None
+        for mode in ("A", "FALLBACK"):
+            try:
+                if mode == "FALLBACK":
+                    raise ValueError("no engine for this graph in mode FALLBACK")
+            except ValueError as exc:
+                failure = exc  # the frontend's pattern (cudnn/_pygraph.py _create_backend_plans)
+        junk = [[i] for i in range(20000)]  # the rest of a build: tracked objects, collections
+        return failure is not None and len(junk) > 0
+
+
+@pytest.mark.parametrize("enabled", [True, False], ids=["gc-enabled", "gc-disabled"])
+def test_cudnn_call_frees_what_a_graph_build_keeps(monkeypatch, enabled):
+    """Every frontend call frees the cycle a graph build leaves as soon as it returns (measured:
+    12 GiB of a layer's backward kept at 262K tokens until a collection), with a collection of
+    the youngest generation only; the collector's state is restored, also when the op raises.
+    Without _compat's handling the same fake keeps its workspace (checked first)."""
+    fake = _CyclicFrontend()
+    monkeypatch.setattr(_compat, "_cudnn_frontend", lambda: (fake, None))
+    q, k, v = (torch.randn(256, 2, 8) for _ in range(3))
+    cu = torch.tensor([0, 100, 256], dtype=torch.int32)
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    was = gc.isenabled()
+    gc.collect()
+    gc.callbacks.append(count)
+    try:
+        (gc.enable if enabled else gc.disable)()
+        fake.sdpa_fwd(q, k, v, 0.5)  # the fake itself: a build whose workspace outlives it
+        assert fake.workspaces[-1]() is not None
+        gc.collect()
+        assert fake.workspaces[-1]() is None
+        fake.built.clear()
+        collections.clear()
+        for s in (256, 256, 128):  # a build, a cached graph, another build
+            _compat.cudnn_thd_fwd(q[:s], k[:s], v[:s], cu, cu, 156, 156, True, 0.5)
+            assert fake.workspaces[-1]() is None, s
+        assert collections == [0, 0, 0]  # one young-generation collection per call, no other
+        assert gc.isenabled() == enabled
+        fake.fail = True
+        with pytest.raises(RuntimeError, match="bad graph"):
+            _compat.cudnn_thd_fwd(q, k, v, cu, cu, 156, 156, True, 0.5)
+        assert gc.isenabled() == enabled
+    finally:
+        gc.callbacks.remove(count)
+        (gc.enable if was else gc.disable)()
 
 
 def test_the_model_builds_one_plan_per_step(monkeypatch):
