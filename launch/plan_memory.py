@@ -32,7 +32,13 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
 * communication: the ring's K/V receive buffers (all-gather: every rank's K/V).
 
 Calibrated on one H200 (issue 21's table): ``--preset 1b`` full checkpointing
-at 131,072 / 262,144 tokens and no checkpointing at 65,536 tokens land within 2 %.
+at 131,072 / 262,144 tokens and no checkpointing at 65,536 tokens land within 2 %;
+selective + offload + tiled MLP at 262,144 / 524,288 within 9 %. The Qwen3 shape
+of ``scripts/bench_memory.py`` (packed documents): within 10 % at 32,768 (none),
+131,072 (selective + offload) and 262,144 tokens (selective); 10.05 % under at
+262,144 with offload, and 27 % under at 1,048,576 with full checkpointing, whose
+peak is the first backward layer's attention backward: the model does not count
+cuDNN's THD backward workspace (``3 T Hq (D + 1)`` fp32, 24 GiB there, measured).
 """
 
 from __future__ import annotations

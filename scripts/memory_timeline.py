@@ -25,8 +25,13 @@ reference cycles (count, GiB of distinct storages) and the code of any frames am
 garbage (a traceback kept alive in a cycle holds its frames' local tensors); then free it
 (a plain collection) and report ``memory_allocated`` before and after. The first probe also
 finds the set-up's cyclic garbage.
-``--gc-watch``: report each automatic collection of Python's garbage collector that frees
-at least 64 MiB of CUDA memory (``gc.callbacks``; where in the step it ran, its generation).
+``--gc-watch``: report every collection of Python's garbage collector (automatic, or explicit
+such as cp_rope's young-generation one after each cuDNN frontend call) that frees at least
+64 MiB of CUDA memory (``gc.callbacks``: where in the step it ran, its generation).
+``--gc-save`` (with ``--gc-watch``): ``gc.DEBUG_SAVEALL`` for the steps, and for every
+collection that found garbage the Python tensors among it (shapes, dtypes) and the 25 most
+common types / function names (how the 262K retention, cuDNN frontend 1.32's kept exception,
+was found); what a collection saved is freed at the next mark.
 ``--no-checkpoint-early-stop``: :func:`torch.utils.checkpoint.set_checkpoint_early_stop`
 (False) for the run (the recomputation then runs each layer to its end instead of stopping
 with an exception once the last saved tensor is rebuilt).
@@ -67,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gc-probe", action="store_true",
                    help="report and free what reference cycles hold at each backward mark")
     p.add_argument("--gc-watch", action="store_true",
-                   help="report every automatic garbage collection that frees CUDA memory")
+                   help="report every garbage collection that frees CUDA memory")
     p.add_argument("--gc-save", action="store_true",
                    help="with --gc-watch: what each automatic collection found (types, CUDA tensors)")
     p.add_argument("--no-checkpoint-early-stop", action="store_true",
@@ -78,6 +83,10 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"--tokens {a.tokens}: must be >= 1 token per step")
     if a.steps < 1:
         p.error(f"--steps {a.steps}: must be >= 1")
+    if a.gc_save and not a.gc_watch:
+        p.error("--gc-save reports what --gc-watch's collections find: give both")
+    if a.gc_save and a.gc_probe:
+        p.error("--gc-save and --gc-probe both set the collector's debug flags: one at a time")
     if extra is not None and not extra:
         p.error("'--' without trainer flags after it (leave it out for the default flags)")
     if a.tiny:
@@ -143,7 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     collecting: list[int] = []
 
     def watch(phase: str, info: dict) -> None:
-        """gc.callbacks: memory freed by each automatic collection (a host counter, no sync)."""
+        """gc.callbacks: memory freed by each collection (a host counter, no sync); with --gc-save,
+        what it found."""
         if phase == "start":
             collecting[:] = [torch.cuda.memory_allocated() if cuda else 0]
         elif a.gc_save and gc.garbage and not steps:
@@ -240,8 +250,9 @@ def main(argv: list[str] | None = None) -> None:
     for i, marks in enumerate(steps, 1):
         print(f"step {i}: " + " ".join(marks))
     if a.gc_watch:
-        print("gc watch: " + ("no automatic collection freed CUDA memory" if not watched
-                              else "automatic collections that freed CUDA memory:"))
+        print("gc watch: " + ("no collection freed CUDA memory" if not watched
+                              else "collections that freed CUDA memory" +
+                              (" and what collections found:" if a.gc_save else ":")))
         for line in watched:
             print("  " + line)
     if a.gc_probe:

@@ -128,12 +128,14 @@ QWEN3_SHAPED = Shapes(dim=1024, n_layers=8, n_heads=16, n_kv_heads=8, head_dim=1
     ("1b", 262144, ("selective", True, 16384), 30.6),
     ("1b", 524288, ("selective", True, 16384), 43.0),
     ("qwen3", 32768, ("none", False, 0), 17.1),
+    ("qwen3", 131072, ("selective", True, 16384), 12.57),
     ("qwen3", 262144, ("selective", False, 16384), 29.6),
 ])
 def test_calibration_against_round_2_h200_peaks(model, tokens, flags, measured_gib):
-    """docs/benchmarks.md, Memory (rounds 1 and 2): scripts/bench_memory.py's peaks on one H200
-    where the planner is claimed within 10% (the Qwen3-shaped model with offload is not: the
-    trainer holds more layers in flight than the model assumes; see there)."""
+    """docs/benchmarks.md, Memory (rounds 1, 2 and 4): scripts/bench_memory.py's peaks on one
+    H200 where the planner is claimed within 10%. Not claimed: the Qwen3 shape with offload at
+    262,144 tokens (predicted 18.8 GiB, measured 20.9: 10.05% under) and full checkpointing at
+    1,048,576 (48.4 vs 66.6: the model does not count cuDNN's THD backward workspace; see there)."""
     s = Shapes.from_model_config(preset("1b").model) if model == "1b" else QWEN3_SHAPED
     mode, offload, tile = flags
     st = Settings(activation_checkpointing=mode, offload_activations=offload, mlp_tile_tokens=tile)
@@ -164,3 +166,14 @@ def test_memory_timeline_marks_every_layer_and_phase(tmp_path):
         assert tags == ["start", "f0<", "f0>", "f1<", "f1>", "fwd+loss", "b1", "b0", "bwd",
                         "clip", "opt"], line
     assert "\ngc probe: " in out.stdout, out.stdout[-2000:]
+    out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "memory_timeline.py"),
+                          "--tiny", "--tokens", "8192", "--steps", "1", "--gc-watch", "--gc-save"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "\ngc watch: " in out.stdout and "names [" in out.stdout, out.stdout[-2000:]
+    for bad, why in ((["--gc-save"], "give both"), (["--gc-save", "--gc-watch", "--gc-probe"],
+                                                     "one at a time")):
+        out = subprocess.run([sys.executable, os.path.join(repo, "scripts", "memory_timeline.py"),
+                              "--tiny", *bad], cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 2 and why in out.stderr, out.stderr[-1000:]
