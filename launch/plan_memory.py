@@ -23,22 +23,26 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
   output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors; ``full``
   keeps the layer input, ``selective`` the input, attention output and LSE);
   with offload, two layers' worth in flight on the GPU;
-* one layer's working set: a checkpointed layer's recomputed tensors plus the
-  backward's transients (two ``[T, ffn]`` gradients untiled, one tile's worth tiled);
-* loss: unfused ``[T, V]`` logits, their fp32 copy and gradient; fused
-  (:func:`cp_rope.parallel.cp_linear_cross_entropy`): one chunk of logits, the
-  hidden-state gradient and the fp32 head-weight gradient;
+* the peak is the larger of two phases, and the components printed are that
+  phase's: **the loss** (every layer's kept tensors, the layer outputs and the
+  final norm's, and the loss: unfused ``[T, V]`` logits, their fp32 copy and
+  gradient; fused (:func:`cp_rope.parallel.cp_linear_cross_entropy`): one chunk
+  of logits, the hidden-state gradient and the fp32 head-weight gradient) or
+  **the first backward layer** (the other layers' kept tensors in flight, and
+  its working set: the larger of its MLP backward, i.e. a checkpointed layer's
+  recomputed tensors plus two ``[T, ffn]`` gradients untiled or one tile's worth
+  tiled, and its attention backward, i.e. what is recomputed up to the
+  attention, dout, dq/dk/dv, the residual's gradient and cuDNN's backward
+  workspace ``3 T Hq (D + 1)`` fp32, :data:`CUDNN_BWD_WORKSPACE`);
 * attention workspace: LSE and softmax statistics, fp32 dq/dk/dv accumulators under CP;
 * communication: the ring's K/V receive buffers (all-gather: every rank's K/V).
 
-Calibrated on one H200 (issue 21's table): ``--preset 1b`` full checkpointing
-at 131,072 / 262,144 tokens and no checkpointing at 65,536 tokens land within 2 %;
-selective + offload + tiled MLP at 262,144 / 524,288 within 9 %. The Qwen3 shape
-of ``scripts/bench_memory.py`` (packed documents): within 10 % at 32,768 (none),
-131,072 (selective + offload) and 262,144 tokens (selective); 10.05 % under at
-262,144 with offload, and 27 % under at 1,048,576 with full checkpointing, whose
-peak is the first backward layer's attention backward: the model does not count
-cuDNN's THD backward workspace (``3 T Hq (D + 1)`` fp32, 24 GiB there, measured).
+Calibrated on one H200 (docs/benchmarks.md, Memory rounds 1-4): every measured peak
+within 10 %: ``--preset 1b`` none at 65,536 tokens (+0.4 %), full at 131,072 /
+262,144 (-1.0 / -3.8 %), selective + offload + tiled MLP at 262,144 / 524,288
+(-9.9 / +1.8 %); bench_memory's Qwen3 shape (packed documents) none at 32,768
+(+7.3 %), selective + offload + tiled at 131,072 / 262,144 (-1.1 / -0.8 %),
+selective + tiled at 262,144 (+0.8 %), full + offload + tiled at 1,048,576 (-0.1 %).
 """
 
 from __future__ import annotations
@@ -57,6 +61,10 @@ __all__ = ["Shapes", "Settings", "estimate", "candidates", "choose", "auto_setti
 GIB = 1 << 30
 HOST_BW = 55e9
 """Pinned host <-> device copy bandwidth, bytes/s each way (H200, issue 21)."""
+CUDNN_BWD_WORKSPACE = 3 * 4
+"""Bytes per token, query head and (head_dim + 1) of the cuDNN SDPA backward's workspace
+(frontend 1.32, cuDNN 9.19, H200: 6,492,869,760 bytes for a THD call of 262,144 tokens with
+16 heads of 128, i.e. three fp32 ``[T, Hq, D + 1]`` buffers); assumed the same for dense calls."""
 ASSUMED_FLOPS = 0.4 * 989e12
 """Achieved bf16 FLOP/s assumed when ranking settings by time (only the order matters)."""
 
@@ -158,7 +166,9 @@ def _loss_chunk(s: Shapes, st: Settings) -> int:
 def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
              doc_len: int | None = None, cp_method: str = "ring") -> dict[str, int]:
     """Peak bytes per GPU by component (and ``"total"``) for one step of ``tokens`` tokens per CP
-    group (``doc_len``: documents' length, default ``tokens``: one sequence).
+    group (``doc_len``: documents' length, default ``tokens``: one sequence). The components
+    are those of the peak phase (module docstring): ``"loss"`` is 0 when the first backward
+    layer peaks, ``"layer working set"`` 0 when the loss does.
 
     Raises: ValueError naming the argument (non-positive sizes, unknown mode).
     """
@@ -172,23 +182,37 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
     q, kv, d = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim
     tiled = st.mlp_tile_tokens > 0
     kept, everything = _per_token_layer(s, st.activation_checkpointing, tiled)
-    saved_layers = 2 if st.offload_activations else s.n_layers
+    in_flight = 2 if st.offload_activations else s.n_layers  # layers whose kept tensors are on the GPU
     out = {
         "parameters": 4 * s.params // n + 2 * s.root_params + 2 * 2 * s.layer_params,
         "gradients": 4 * (s.root_params + s.layer_params),
         "optimizer": 8 * s.params // n,
-        # + the layer outputs between layers / the final norm's input and output
-        "saved activations": t * (saved_layers * kept + 3 * 2 * d),
     }
-    transient = 2 * 2 * s.ffn if not tiled else 2 * 2 * d  # the MLP's input gradients
-    recomputed = everything if st.activation_checkpointing != "none" else 0
-    tile = min(st.mlp_tile_tokens or t, t)
-    out["layer working set"] = t * (recomputed + transient) + (tile * 2 * 7 * s.ffn if tiled else 0)
+    # The step peaks in one of two phases; the components are those of the larger.
+    # (1) the loss: every kept tensor on the GPU, + the layer outputs between layers / the final
+    # norm's input and output, + the loss's own memory.
     if st.fused_loss:
         c = min(_loss_chunk(s, st), t)
-        out["loss"] = c * s.vocab * 8 + t * d * 2 + 4 * s.vocab * d
+        loss = c * s.vocab * 8 + t * d * 2 + 4 * s.vocab * d
     else:
-        out["loss"] = t * s.vocab * 12
+        loss = t * s.vocab * 12
+    at_loss = {"saved activations": t * (in_flight * kept + 3 * 2 * d), "layer working set": 0,
+               "loss": loss}
+    # (2) the first backward layer: the other layers' kept tensors in flight (without
+    # checkpointing its own are among them), + the larger of its MLP backward (its recomputed
+    # tensors and the MLP's transients) and its attention backward (what is recomputed up to
+    # the attention, dout, dq/dk/dv, the residual's gradient and cuDNN's backward workspace).
+    checkpointed = st.activation_checkpointing != "none"
+    transient = 2 * 2 * s.ffn if not tiled else 2 * 2 * d  # the MLP's input gradients
+    tile = min(st.mlp_tile_tokens or t, t)
+    mlp = t * ((everything if checkpointed else 0) + transient) + \
+        (tile * 2 * 7 * s.ffn if tiled else 0)
+    before_attention = everything - 2 * 2 * d - (0 if tiled else 2 * 4 * s.ffn)
+    attention = t * ((before_attention if checkpointed else 0) + 2 * q + 2 * (q + 2 * kv)
+                     + 2 * d + CUDNN_BWD_WORKSPACE * s.n_heads * (s.head_dim + 1))
+    at_layer = {"saved activations": t * kept * (in_flight - checkpointed),
+                "layer working set": max(mlp, attention), "loss": 0}
+    out.update(max(at_loss, at_layer, key=lambda ph: sum(ph.values())))
     out["attention workspace"] = t * s.n_heads * 4 * 2 + (t * (q + 2 * kv) * 4 if cp > 1 else 0)
     if cp == 1:
         comm = 0
@@ -299,7 +323,8 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
 
 def report(s: Shapes, st: Settings, est: dict, *, title: str) -> str:
     """A table of ``est`` (bytes per GPU by component) in GiB."""
-    lines = [title, f"  settings: {st.flags()}"]
+    phase = "the loss" if est["loss"] else "the first backward layer"
+    lines = [title, f"  settings: {st.flags()}  (peak: {phase})"]
     for k, v in est.items():
         lines.append(f"  {k:<20} {v / GIB:9.2f} GiB")
     return "\n".join(lines)
