@@ -44,6 +44,8 @@ import datetime
 import functools
 import gc
 import inspect
+import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -187,21 +189,48 @@ def _cudnn_ops():
     return ops
 
 
+_GC_PAUSE = threading.Lock()
+_gc_pause = {"depth": 0, "was_enabled": False}  # calls inside the frontend now, the state before
+_YOUNG_COLLECTION = getattr(sys, "_is_gil_enabled", lambda: True)()
+"""False on a free-threaded build (3.13t+), where every collection is a full one (hundreds of
+milliseconds on a large heap): the pause and collection are skipped there."""
+
+
 def _cudnn_call(name: str, *args, **kwargs):
     """``torch.ops.cudnn.<name>(*args, **kwargs)`` with Python's automatic garbage collection
-    paused during the call and a collection of the youngest generation after it: the reference
-    cycle a frontend graph build leaves (the module docstring) is then still young and freed at
-    once (a collection during the build would have moved it to an older generation, where it
-    waits for a rarer collection). Between builds the collection finds a near-empty youngest
-    generation (microseconds). The collector's enabled state is restored, also on an error."""
-    enabled = gc.isenabled()
-    gc.disable()
+    paused during the call and a collection of the youngest generation after it.
+
+    Why (the module docstring): a graph build leaves a reference cycle that holds the calling
+    frames. A collection that runs while the frontend frame that caught the exception is still
+    running (the build allocates enough objects to trigger some) finds the cycle alive and moves
+    it to an older generation, where it waits, holding q, k, v and the workspace, for a rarer
+    collection. With collection paused it stays young, and the young collection after the call
+    frees it (microseconds between builds, when the youngest generation is near empty). This
+    also collects when the caller had turned automatic collection off.
+
+    Threads: the pause is counted under a lock; the first call in saves the collector's state,
+    the last one out restores it (also on an error) and collects, so no collection runs while
+    another thread is inside a build.
+    """
+    if not _YOUNG_COLLECTION:
+        return getattr(_cudnn_ops(), name)(*args, **kwargs)
+    with _GC_PAUSE:
+        if _gc_pause["depth"] == 0:
+            _gc_pause["was_enabled"] = gc.isenabled()
+            gc.disable()
+        _gc_pause["depth"] += 1
+    ok = False
     try:
         out = getattr(_cudnn_ops(), name)(*args, **kwargs)
+        ok = True
     finally:
-        if enabled:
-            gc.enable()
-    gc.collect(0)
+        with _GC_PAUSE:
+            _gc_pause["depth"] -= 1
+            if _gc_pause["depth"] == 0:
+                if _gc_pause["was_enabled"]:
+                    gc.enable()
+                if ok:
+                    gc.collect(0)
     return out
 
 

@@ -28,10 +28,12 @@ finds the set-up's cyclic garbage.
 ``--gc-watch``: report every collection of Python's garbage collector (automatic, or explicit
 such as cp_rope's young-generation one after each cuDNN frontend call) that frees at least
 64 MiB of CUDA memory (``gc.callbacks``: where in the step it ran, its generation).
-``--gc-save`` (with ``--gc-watch``): ``gc.DEBUG_SAVEALL`` for the steps, and for every
-collection that found garbage the Python tensors among it (shapes, dtypes) and the 25 most
-common types / function names (how the 262K retention, cuDNN frontend 1.32's kept exception,
-was found); what a collection saved is freed at the next mark.
+``--gc-save`` (with ``--gc-watch``): ``gc.DEBUG_SAVEALL`` from the first step's start to the
+last step's optimizer step, and for every collection in between that found garbage the tensors
+among it (shapes, dtypes; CPU ones too, the first 12) and the 25 most common types / function
+names (how the 262K retention, cuDNN frontend 1.32's kept exception, was found); what a
+collection saved is freed at the next mark. This script's own collections (freeing that, and
+``--gc-probe``'s) are not reported.
 ``--no-checkpoint-early-stop``: :func:`torch.utils.checkpoint.set_checkpoint_early_stop`
 (False) for the run (the recomputation then runs each layer to its end instead of stopping
 with an exception once the last saved tensor is rebuilt).
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--gc-watch", action="store_true",
                    help="report every garbage collection that frees CUDA memory")
     p.add_argument("--gc-save", action="store_true",
-                   help="with --gc-watch: what each automatic collection found (types, CUDA tensors)")
+                   help="with --gc-watch: what each collection in the steps found (tensors, types)")
     p.add_argument("--no-checkpoint-early-stop", action="store_true",
                    help="recompute each checkpointed layer to its end (torch's early stop off)")
     p.add_argument("--tiny", action="store_true", help="bench_memory's CPU plumbing shapes")
@@ -113,8 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         if pending:  # --gc-save: free what the collections since the last mark saved
             pending.clear()
             gc.set_debug(0)
-            gc.collect()
-            gc.set_debug(gc.DEBUG_SAVEALL)
+            own_collection(gc.collect)
+            gc.set_debug(gc.DEBUG_SAVEALL if saving else 0)
         alloc = torch.cuda.memory_allocated() / GIB if cuda else 0.0
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
         if cuda:
@@ -126,9 +128,9 @@ def main(argv: list[str] | None = None) -> None:
     def probe(where: str) -> None:
         gc.set_debug(gc.DEBUG_SAVEALL)  # the cycles' objects into gc.garbage instead of freed
         try:
-            n = gc.collect()
+            n = own_collection(gc.collect)
         finally:
-            gc.set_debug(0)
+            gc.set_debug(debug_before)
         garbage = list(gc.garbage)
         storages = {o.untyped_storage().data_ptr(): o.untyped_storage().nbytes()
                     for o in garbage if isinstance(o, torch.Tensor)
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> None:
         before = torch.cuda.memory_allocated() if cuda else 0
         gc.garbage.clear()
         del garbage
-        gc.collect()  # now free them (they are unreachable again once gc.garbage lets go)
+        own_collection(gc.collect)  # now free them (unreachable again once gc.garbage lets go)
         after = torch.cuda.memory_allocated() if cuda else 0
         if storages or frames or before - after >= WATCH_BYTES:
             probes.append(f"{where}: {n} objects in cycles, {len(storages)} CUDA storages "
@@ -150,14 +152,26 @@ def main(argv: list[str] | None = None) -> None:
     watched: list[str] = []
     pending: list[list] = []  # --gc-save: what collections found, freed at the next mark
     collecting: list[int] = []
+    own: list[bool] = []  # inside this script's own collections (not reported by --gc-watch)
+    debug_before = gc.get_debug()
+    saving = False  # --gc-save: DEBUG_SAVEALL on, from the first step's start to the last opt
+
+    def own_collection(collect):
+        own.append(True)
+        try:
+            return collect()
+        finally:
+            own.pop()
 
     def watch(phase: str, info: dict) -> None:
         """gc.callbacks: memory freed by each collection (a host counter, no sync); with --gc-save,
         what it found."""
+        if own:
+            return
         if phase == "start":
             collecting[:] = [torch.cuda.memory_allocated() if cuda else 0]
-        elif a.gc_save and gc.garbage and not steps:
-            pending.append(list(gc.garbage))  # the set-up's: freed at the next mark
+        elif a.gc_save and gc.garbage and not saving:
+            pending.append(list(gc.garbage))  # outside the steps: freed at the next mark
             gc.garbage.clear()
         elif a.gc_save and gc.garbage:
             garbage = list(gc.garbage)
@@ -203,6 +217,10 @@ def main(argv: list[str] | None = None) -> None:
     hooked: set[int] = set()
 
     def step(model, *args, **kwargs):
+        nonlocal saving
+        if a.gc_save and not saving:
+            saving = True
+            gc.set_debug(gc.DEBUG_SAVEALL)
         if id(model) not in hooked:  # the model's forward returns the loss: mark it there
             hooked.add(id(model))
             model.register_forward_hook(lambda *_: mark("fwd+loss"))
@@ -219,8 +237,12 @@ def main(argv: list[str] | None = None) -> None:
         return out
 
     def opt_step(self, *args, **kwargs):
+        nonlocal saving
         out = inner_opt(self, *args, **kwargs)
         mark("opt")
+        if saving and len(steps) == a.steps:  # the last step: stop saving
+            saving = False
+            gc.set_debug(debug_before)
         return out
 
     O.ActivationOffloader.layer, O.ActivationOffloader.unpack = layer, unpack
@@ -230,8 +252,6 @@ def main(argv: list[str] | None = None) -> None:
              else contextlib.nullcontext())
     if a.gc_watch:
         gc.callbacks.append(watch)
-        if a.gc_save:
-            gc.set_debug(gc.DEBUG_SAVEALL)
     try:
         with early:
             finetune_hf.main(run_argv)
@@ -242,9 +262,12 @@ def main(argv: list[str] | None = None) -> None:
         torch.optim.AdamW.step = inner_opt
         if watch in gc.callbacks:
             gc.callbacks.remove(watch)
-        gc.set_debug(0)
+        gc.set_debug(debug_before)
+        pending.clear()
+        gc.garbage.clear()
     print(f"memory timeline: {a.tokens:,} tokens/step, flags {' '.join(flags)}"
-          f"{', gc probe' if a.gc_probe else ''}"
+          f"{', gc probe' if a.gc_probe else ''}{', gc watch' if a.gc_watch else ''}"
+          f"{' (saving)' if a.gc_save else ''}"
           f"{', no checkpoint early stop' if a.no_checkpoint_early_stop else ''} "
           "(GiB: tag:allocated/peak since the previous mark)")
     for i, marks in enumerate(steps, 1):

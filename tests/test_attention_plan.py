@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import gc
 import sys
+import threading
 import types
 import weakref
 
@@ -268,6 +269,49 @@ def test_cudnn_call_frees_what_a_graph_build_keeps(monkeypatch, enabled):
             _compat.cudnn_thd_fwd(q, k, v, cu, cu, 156, 156, True, 0.5)
         assert gc.isenabled() == enabled
     finally:
+        gc.callbacks.remove(count)
+        (gc.enable if was else gc.disable)()
+
+
+def test_cudnn_call_pauses_collection_across_threads(monkeypatch):
+    """Two threads in frontend calls at once: the collector stays paused until the last one
+    leaves (no collection while the other may be inside a build), then is enabled again and
+    collects once (a thread leaving first must not re-enable it, nor leave it disabled)."""
+    inside, release = threading.Event(), threading.Event()
+
+    class Ops:
+        def sdpa_fwd(self, q, k, v, scale, **kwargs):
+            if q.shape[0] == 2:  # the slow call, held inside the op
+                inside.set()
+                assert release.wait(30)
+            return q.clone(), torch.zeros(q.shape[0], q.shape[1], 1)
+
+    monkeypatch.setattr(_compat, "_cudnn_frontend", lambda: (Ops(), None))
+    collections = []
+
+    def count(phase, info):
+        if phase == "start":
+            collections.append(info["generation"])
+
+    cu = torch.tensor([0, 2], dtype=torch.int32)
+    slow = threading.Thread(target=_compat.cudnn_thd_fwd,
+                            args=(*(torch.randn(2, 1, 4) for _ in range(3)), cu, cu, 2, 2, True, 1.0))
+    was = gc.isenabled()
+    gc.enable()
+    gc.callbacks.append(count)
+    try:
+        slow.start()
+        assert inside.wait(30)
+        assert not gc.isenabled()
+        q = torch.randn(4, 1, 4)
+        _compat.cudnn_thd_fwd(q, q, q, torch.tensor([0, 4], dtype=torch.int32),
+                              torch.tensor([0, 4], dtype=torch.int32), 4, 4, True, 1.0)
+        assert not gc.isenabled() and collections == []  # the other thread is still inside
+        release.set()
+        slow.join(30)
+        assert not slow.is_alive() and gc.isenabled() and collections == [0]
+    finally:
+        release.set()
         gc.callbacks.remove(count)
         (gc.enable if was else gc.disable)()
 
