@@ -219,19 +219,15 @@ def _cudnn_call(name: str, *args, **kwargs):
             _gc_pause["was_enabled"] = gc.isenabled()
             gc.disable()
         _gc_pause["depth"] += 1
-    ok = False
     try:
-        out = getattr(_cudnn_ops(), name)(*args, **kwargs)
-        ok = True
+        return getattr(_cudnn_ops(), name)(*args, **kwargs)
     finally:
         with _GC_PAUSE:
             _gc_pause["depth"] -= 1
             if _gc_pause["depth"] == 0:
                 if _gc_pause["was_enabled"]:
                     gc.enable()
-                if ok:
-                    gc.collect(0)
-    return out
+                gc.collect(0)
 
 
 def cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):

@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> None:
             pending.clear()
             gc.set_debug(0)
             own_collection(gc.collect)
-            gc.set_debug(gc.DEBUG_SAVEALL if saving else 0)
+            gc.set_debug(gc.DEBUG_SAVEALL if saving else debug_before)
         alloc = torch.cuda.memory_allocated() / GIB if cuda else 0.0
         peak = torch.cuda.max_memory_allocated() / GIB if cuda else 0.0
         if cuda:
@@ -170,29 +170,27 @@ def main(argv: list[str] | None = None) -> None:
             return
         if phase == "start":
             collecting[:] = [torch.cuda.memory_allocated() if cuda else 0]
-        elif a.gc_save and gc.garbage and not saving:
-            pending.append(list(gc.garbage))  # outside the steps: freed at the next mark
-            gc.garbage.clear()
-        elif a.gc_save and gc.garbage:
+            return
+        where = (f"step {len(steps)} after "
+                 f"{steps[-1][-1].split(':')[0] if steps and steps[-1] else 'set-up'}: "
+                 f"generation {info['generation']}")
+        if a.gc_save and gc.garbage:
             garbage = list(gc.garbage)
             pending.append(garbage)  # freed at the next mark
             gc.garbage.clear()
+            if not saving:  # outside the steps
+                return
             t = [o for o in garbage if isinstance(o, torch.Tensor)]
             names = collections.Counter(
                 getattr(o, "__qualname__", None) or type(o).__qualname__ for o in garbage
                 if not isinstance(o, (dict, tuple, list, torch.Tensor))).most_common(25)
-            last = steps[-1][-1].split(":")[0] if steps and steps[-1] else "set-up"
-            watched.append(f"step {len(steps)} after {last}: generation {info['generation']}: "
-                           f"{len(garbage)} objects, tensors "
+            watched.append(f"{where}: {len(garbage)} objects, tensors "
                            f"{[(tuple(x.shape), str(x.dtype)[6:]) for x in t][:12]} "
                            f"(+{max(len(t) - 12, 0)}), names {names}")
-            del garbage, t
         elif collecting:
             freed = collecting.pop() - (torch.cuda.memory_allocated() if cuda else 0)
             if freed >= WATCH_BYTES:
-                last = steps[-1][-1].split(":")[0] if steps and steps[-1] else "set-up"
-                watched.append(f"step {len(steps)} after {last}: generation "
-                               f"{info['generation']} collected {info['collected']} objects, "
+                watched.append(f"{where} collected {info['collected']} objects, "
                                f"freed {freed / GIB:.2f} GiB")
 
     inner_layer, inner_unpack = O.ActivationOffloader.layer, O.ActivationOffloader.unpack
