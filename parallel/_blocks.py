@@ -54,7 +54,7 @@ from cp_rope.validation import check_choice
 
 from . import _compat
 from ._cudnn_thd import CudnnTHD as _CudnnTHD
-from .choices import BACKENDS
+from .choices import BACKENDS, WINDOW_BACKENDS
 
 __all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "BACKENDS"]
 
@@ -86,6 +86,14 @@ class Block:
     cu_q_host: torch.Tensor | None = None
     """``cu_q`` on the host, when the plan knows it (then :attr:`dense` reads no device)."""
     cu_k_host: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    """flash-attn's ``window_size = (left, right)`` inside every segment (None: no window;
+    -1: unbounded on that side), aligned bottom-right as flash-attn aligns it: query row
+    ``i`` of a segment of ``lq`` queries and ``lk`` keys sees key rows ``j`` with
+    ``i + lk - lq - left <= j <= i + lk - lq + right`` (and ``j <= i + lk - lq`` if
+    ``causal``). The windowed schedules (:mod:`cp_rope.parallel._window`) use
+    ``(W - 1, 0)`` on causal diagonal pieces and ``(0, -1)`` on the "halo" pieces of keys
+    before their queries."""
 
     @functools.cached_property
     def backend_cache(self) -> dict:
@@ -191,9 +199,19 @@ class _Reference:
         seg = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, cu_q.numel() - 2)
         inside = (rows >= cu_q[0]) & (rows < cu_q[-1])
         lo, hi = cu_k[seg], cu_k[seg + 1]
+        # bottom-right alignment: query i of the segment sits at key index i + lk - lq
+        diag = lo + (rows - cu_q[seg]) + (hi - lo) - (cu_q[seg + 1] - cu_q[seg])
+        lo0, hi0 = lo, hi
         if blk.causal:
-            hi = torch.minimum(hi, lo + (rows - cu_q[seg]) + 1)
-        hi = torch.where(inside, hi, lo)
+            hi = torch.minimum(hi, diag + 1)
+        if blk.window is not None:
+            left, right = blk.window
+            if left >= 0:
+                lo = torch.maximum(lo, diag - left)
+            if right >= 0:
+                hi = torch.minimum(hi, diag + right + 1)
+        lo, hi = lo.clamp(lo0, hi0), hi.clamp(lo0, hi0)
+        hi = torch.where(inside & (hi > lo), hi, lo)
         return lo, hi
 
     def _chunks(self, q, k, v, blk: Block, scale: float):
@@ -255,6 +273,12 @@ class _Reference:
         return [(0, dq, 0, dk, dv)]
 
 
+def _window_kw(blk: Block) -> dict:
+    """``window=(left, right)`` for a windowed block's kernel call (nothing otherwise, so
+    the unwindowed calls stay what they were)."""
+    return {} if blk.window is None else {"window": blk.window}
+
+
 class _Varlen:
     """Flash-style varlen kernels (torch's own or the flash_attn package)."""
 
@@ -268,7 +292,7 @@ class _Varlen:
         if blk.max_q == 0 or blk.max_k == 0:
             return [], None
         out, lse, *state = self._fwd(q, k, v, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                                     blk.causal, scale)
+                                     blk.causal, scale, **_window_kw(blk))
         # flash-attn writes LSE +inf for rows without a visible key; ours is -inf
         lse = lse.masked_fill(lse == float("inf"), NEG_INF)
         return [(0, out, lse)], state
@@ -277,7 +301,7 @@ class _Varlen:
         if blk.max_q == 0 or blk.max_k == 0:
             return []
         dq, dk, dv = self._bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                               blk.causal, scale, *aux)
+                               blk.causal, scale, *aux, **_window_kw(blk))
         return [(0, dq, 0, dk, dv)]
 
 
@@ -313,9 +337,12 @@ class _Cudnn:
             del g
 
 
-def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
+def _unsupported(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     d = q.shape[-1]
+    if windowed and backend not in WINDOW_BACKENDS:
+        return (f"does not run sliding-window blocks (window=); the backends that do: "
+                f"{WINDOW_BACKENDS}")
     if backend == "reference":
         return None
     if q.device.type != "cuda":
@@ -344,8 +371,10 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
 
 
-def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
-    """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs.
+def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False):
+    """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs
+    (``windowed``: for a plan with a sliding window, whose blocks only the backends of
+    :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those).
 
     ``auto``'s rule: the first of :data:`BACKENDS` that runs these inputs -- cudnn (the
     cuDNN frontend importable; CUDA sm80+, fp16/bf16, head_dim <= 128), flash_attn (if
@@ -358,8 +387,8 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
     """
     check_choice("backend", backend, ("auto", *BACKENDS))
     if backend == "auto":
-        backend = next(b for b in BACKENDS if _unsupported(b, q, n_seqs) is None)
-    why = _unsupported(backend, q, n_seqs)
+        backend = next(b for b in BACKENDS if _unsupported(b, q, n_seqs, windowed) is None)
+    why = _unsupported(backend, q, n_seqs, windowed)
     if why is not None:
         raise ValueError(f"backend={backend!r} {why}")
     if backend == "reference":

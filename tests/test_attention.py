@@ -269,7 +269,7 @@ def test_cp1_results_are_the_kernel_outputs(monkeypatch):
     q, k, v, dout = (_rand(gen, 19, h, 8) for h in (4, 2, 2, 4))
     for be, lens in ((flash, [6, 0, 13]), (_blocks._Cudnn(), [19])):
         made.clear()
-        monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be: be)
+        monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be, **kw: be)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
         out = context_parallel_attention(qx, kx, vx, cu, max(lens))
@@ -417,7 +417,8 @@ def _install_fake_kernels():
     real = att.get_backend
     fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
              "fake_cudnn": _blocks._Cudnn, "fake_cudnn_thd": _blocks._CudnnTHD}
-    att.get_backend = lambda name, q, n: fakes[name]() if name in fakes else real(name, q, n)
+    att.get_backend = lambda name, q, n, **kw: fakes[name]() if name in fakes else real(name, q, n,
+                                                                                         **kw)
 
 
 def _parity_body(rank, world_size):
