@@ -66,6 +66,7 @@ class RunData:
         token_bytes: int64 ``[vocab]`` bytes of text per id (0 for specials), or None (.bin).
         tokenizer: what the run trains on, for the banner (``"bytes"``, ``"bpe 4096 ids (path)"``).
         notes: lines for the log (a reused or retrained tokenizer).
+        trained_tokenizer: the BPE's ``tokenizer.json`` the run trained or reuses, or None.
     """
 
     train: Corpus
@@ -73,6 +74,7 @@ class RunData:
     token_bytes: np.ndarray | None
     tokenizer: str
     notes: list[str]
+    trained_tokenizer: str | None = None
 
 
 def tokenizer_mode(cfg: PretrainConfig) -> str:
@@ -226,7 +228,7 @@ def prepare_corpora(cfg: PretrainConfig, rank: int = 0) -> RunData:
     missing ``tokenizers`` package, too few documents to hold some out.
     """
     mode, notes = tokenizer_mode(cfg), []
-    table = None
+    table = tok_path = None
     if mode == "bpe":
         _on_rank0(lambda: _bpe_files(cfg, notes), rank)
         tok_path, _, cache = (os.path.join(cfg.train.out_dir, f) for f in _FILES)
@@ -242,4 +244,5 @@ def prepare_corpora(cfg: PretrainConfig, rank: int = 0) -> RunData:
             table = load_tokenizer(cfg.data).token_bytes()
         name = {"bin": "pre-tokenized", "bytes": "bytes"}.get(mode, cfg.data.tokenizer)
     train, held = split_corpus(corpus, eval_doc_count(cfg.data.eval_docs, corpus.num_docs))
-    return RunData(train=train, eval=held, token_bytes=table, tokenizer=name, notes=notes)
+    return RunData(train=train, eval=held, token_bytes=table, tokenizer=name, notes=notes,
+                   trained_tokenizer=tok_path)

@@ -43,6 +43,7 @@ _EXPORTS = {
     # the one list of each choice
     "METHODS": "choices",
     "BACKENDS": "choices",
+    "backend_unavailable": "_blocks",
     "PLACEMENTS": "choices",
     "LOSS_IMPLS": "choices",
     "comm_volume": "ulysses",
