@@ -165,20 +165,21 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
     key = _sha(train, "bpe", d.bpe_vocab_size, seed, BPE_SAMPLE_BYTES)
     meta = _load_meta(meta_file)
     tk = _tokenizers()
-    edited = os.path.isfile(tok_path) and meta.get("sha256") not in (None, _file_sha(tok_path))
-    if os.path.isfile(tok_path) and meta.get("trained_on") == key and not edited:
+    if os.path.isfile(tok_path) and meta.get("trained_on") == key:
         try:
             tok = tk.Tokenizer.from_file(tok_path)
         except Exception as exc:  # tokenizers raises plain Exception
             raise ConfigError(f"data.tokenizer: the run's {tok_path} cannot be read ({exc}); "
                               "delete it (and tokenizer_meta.json) to train a new one, or pass "
                               "--tokenizer bytes / --out-dir") from None
+        if meta.get("sha256") not in (None, _file_sha(tok_path)):
+            raise ConfigError(f"data.tokenizer: the run's {tok_path} changed since it was "
+                              "trained (its SHA-256 is not the one tokenizer_meta.json records; "
+                              "the run's checkpoints embed its ids): restore it, delete it and "
+                              "tokenizer_meta.json to train it again, or pass --out-dir")
         notes.append(f"tokenizer: reusing {tok_path} (trained on this corpus)")
     else:
-        if edited:
-            notes.append(f"tokenizer: {tok_path} changed since it was trained (its SHA-256 is "
-                         "not the one tokenizer_meta.json recorded): training it again")
-        elif os.path.isfile(tok_path):
+        if os.path.isfile(tok_path):
             notes.append(f"tokenizer: {tok_path} was trained on another corpus, seed or "
                          f"--bpe-vocab-size{'' if meta else ' (no tokenizer_meta.json)'}: "
                          "training a new one")

@@ -5,13 +5,14 @@ the model was loaded, or (a tokenizer with permuted ids) resumed silently onto t
 embeddings; a damaged ``corpus_tokens.npz`` gave a raw zip error. Now config.json and the
 checkpoint manifests record the inputs' SHA-256, a resume with other contents is refused
 before anything is built, naming the file, and the trained BPE and its encoded corpus are
-trained / encoded again when damaged or edited (deterministic: the same result).
+encoded again when damaged; an edited trained BPE is refused, naming it.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 
 import pytest
 from utils import tiny_pretrain_argv
@@ -76,10 +77,13 @@ def test_trained_bpe_and_encoded_corpus_are_rebuilt_when_edited_or_damaged(tmp_p
     a, b = sorted(vocab, key=vocab.get)[100:102]
     vocab[a], vocab[b] = vocab[b], vocab[a]  # two ids swapped
     (out / "tokenizer.json").write_text(json.dumps(tok))
-    capsys.readouterr()
+    with pytest.raises(ConfigError, match=rf"data\.tokenizer: the run's {out}/tokenizer\.json "
+                       r"changed since it was trained"):
+        main(argv + ["--steps", "2", "--resume"])
+    os.remove(out / "tokenizer.json")  # the remedy the message gives: trained again, the same
+    os.remove(out / "tokenizer_meta.json")
     main(argv + ["--steps", "2", "--resume"])
-    assert "changed since it was trained" in capsys.readouterr().out
-    assert (out / "tokenizer.json").read_bytes() == original  # trained again: the same file
+    assert (out / "tokenizer.json").read_bytes() == original
 
     cache = out / "corpus_tokens.npz"
     for step, damage in ((3, lambda raw: raw[: len(raw) // 2]),  # truncated
@@ -94,8 +98,8 @@ def test_trained_bpe_and_encoded_corpus_are_rebuilt_when_edited_or_damaged(tmp_p
 
 
 def test_a_changed_trained_bpe_is_named_by_the_checkpoint(tmp_path):
-    """The manifest records the BPE the run trained: a checkpoint copied beside another
-    tokenizer.json (its meta rewritten to match) is refused, naming it, before loading."""
+    """The manifest records the BPE the run trained: a checkpoint beside another tokenizer.json
+    (its tokenizer_meta.json rewritten to match) is refused, naming it, before loading."""
     out = tmp_path / "run"
     argv = TINY + ["--tokenizer", "bpe", "--bpe-vocab-size", "300", "--max-docs", "12",
                    "--out-dir", str(out)]
