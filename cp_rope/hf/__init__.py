@@ -1,7 +1,9 @@
 """Packed context parallelism for Hugging Face transformers models (extra ``hf``).
 
-Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, and
-Phi3 with its partial rotary; GQA included) into a packed, context-parallel one::
+Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3,
+Phi3 with its partial rotary, and the mixtures of experts Qwen3-MoE and Mixtral,
+whose router loss :mod:`cp_rope.hf.moe` computes over the CP group; GQA included)
+into a packed, context-parallel one::
 
     from cp_rope.hf import model_inputs, patch_model
     from cp_rope.parallel import PackingCollator, cp_cross_entropy
