@@ -84,7 +84,6 @@ from .config import (
     ParallelConfig,
     PretrainConfig,
     TrainConfig,
-    to_dict,
     validate,
 )
 from .data import load_tokenizer
@@ -421,6 +420,13 @@ def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:
     return path
 
 
+def model_files(path: str) -> list[str]:
+    """The files directly in the model directory ``path`` (config, weights, tokenizer; no
+    dotfiles), whose contents every rank must agree on (:mod:`cp_rope.launch.run_identity`)."""
+    return [os.path.join(path, n) for n in sorted(os.listdir(path))
+            if not n.startswith(".") and os.path.isfile(os.path.join(path, n))]
+
+
 def _memory_knobs(fc: FinetuneConfig, cfg: PretrainConfig) -> FinetuneConfig:
     """``fc`` with the tiled-MLP and fused-loss choice of ``cfg.model`` (``--memory auto`` sets them)."""
     m = cfg.model
@@ -443,24 +449,25 @@ def main(argv: list[str] | None = None) -> dict:
     created, _ = setup_distributed(cfg)
     try:
         tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
-                    memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf")
+                    memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf",
+                    extra={"hf": dataclasses.asdict(fc.hf)},  # agreed, in config.json
+                    files={"hf.model": model_files(fc.hf.model)})
         dtype = compute_dtype(cfg, tr.device.type)
         fused_norm = fc.hf.fused_norm and dtype in LOW_PRECISION
         tr.log.write(f"loss: {resolved_loss(tr.model, tr.device, dtype)}; RMSNorm: "
                      f"{'fused (torch rms_norm)' if fused_norm else 'transformers'}")
-        if dist.get_rank() == 0:  # the model directory and its switches beside the trainer's
-            path = os.path.join(cfg.train.out_dir, "config.json")
-            with open(path, "w") as f:
-                json.dump(to_dict(cfg) | {"hf": dataclasses.asdict(fc.hf)}, f, indent=2)
         try:
-            train_loop(tr)
-        except BaseException:
-            tr.log.close()
-            raise
-        summary = summarize(tr)
-        finished = not tr.interrupted and tr.step >= cfg.train.steps
-        summary["hf_model"] = save_hf_model(tr.model, fc) if finished else None
-        return summary
+            try:
+                train_loop(tr)
+            except BaseException:
+                tr.log.close()
+                raise
+            summary = summarize(tr)
+            finished = not tr.interrupted and tr.step >= cfg.train.steps
+            summary["hf_model"] = save_hf_model(tr.model, fc) if finished else None
+            return summary
+        finally:
+            tr.start.close()  # after save_hf_model: the directory is this run's until then
     finally:
         if created and dist.is_initialized():
             dist.destroy_process_group()
