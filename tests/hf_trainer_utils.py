@@ -64,7 +64,8 @@ def write_jsonl(path: str, docs: list[list[int]]) -> str:
 
 def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = None,
         grad_accum: int = 1, steps: int = 5, save_steps: int | None = None,
-        resume: str | None = None, prepare_kwargs: dict | None = None) -> dict:
+        resume: str | None = None, prepare_kwargs: dict | None = None,
+        args_over: dict | None = None) -> dict:
     """Train ``steps`` optimizer steps and return ``{"loss": [...], "grad_norm": [...],
     "step": [...], "ran": [...], "state": {name: tensor}}`` (the logged values per step, the
     steps this call ran, the final weights).
@@ -87,7 +88,7 @@ def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = 
                   max_grad_norm=1.0, disable_tqdm=True, dataloader_num_workers=0,
                   save_strategy="steps" if save_steps else "no", save_steps=save_steps or 500,
                   lr_scheduler_type="linear", warmup_steps=1, bf16=False,
-                  gradient_checkpointing=False)
+                  gradient_checkpointing=False) | (args_over or {})
     ds = datasets.Dataset.from_dict({"input_ids": docs})
     if kind == "sft":
         import trl
@@ -117,9 +118,12 @@ def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = 
 RTOL = 1e-5  # the issue's target: the same losses, gradient norms and weights to 1e-5
 
 
-def assert_same_run(got: dict, want: dict, what: str, steps=None) -> None:
+def assert_same_run(got: dict, want: dict, what: str, steps=None, rtol: float = RTOL) -> None:
     """Logged losses and gradient norms (per step, relative) and, when both have them, the
-    final weights (per tensor, relative to its largest entry) agree to :data:`RTOL`."""
+    final weights (per tensor, relative to its largest entry) agree to ``rtol``."""
+    if "step" not in got:  # the example script's report: every step logged
+        got, want = dict(got, step=list(range(1, len(got["loss"]) + 1))), dict(
+            want, step=list(range(1, len(want["loss"]) + 1)))
     pick = (lambda r, k: r[k]) if steps is None else (
         lambda r, k: [v for v, s in zip(r[k], r["step"], strict=True) if s in steps])
     assert (got["step"] if steps is None else steps) == (
@@ -129,9 +133,22 @@ def assert_same_run(got: dict, want: dict, what: str, steps=None) -> None:
         a, b = torch.tensor(pick(got, key)), torch.tensor(pick(want, key))
         assert a.shape == b.shape, f"{what}: {key} {a.tolist()} vs {b.tolist()}"
         err = ((a - b).abs() / b.abs()).max().item()
-        assert err <= RTOL, f"{what}: {key} relative error {err:.2e}: {a.tolist()} vs {b.tolist()}"
+        assert err <= rtol, f"{what}: {key} relative error {err:.2e}: {a.tolist()} vs {b.tolist()}"
     if got.get("state") and want.get("state"):
         assert got["state"].keys() == want["state"].keys(), f"{what}: parameter names differ"
         worst = max((((got["state"][k] - w).abs().max() / w.abs().max()).item(), k)
                     for k, w in want["state"].items())
-        assert worst[0] <= RTOL, f"{what}: weights differ after training, {worst[1]} by {worst[0]:.2e}"
+        assert worst[0] <= rtol, f"{what}: weights differ after training, {worst[1]} by {worst[0]:.2e}"
+
+
+def example(argv: list[str]) -> dict:
+    """Run scripts/sft_trl_example.py's main(argv) in this process; returns its report."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        "sft_trl_example.py")
+    spec = importlib.util.spec_from_file_location("sft_trl_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.main(argv)

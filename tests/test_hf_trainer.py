@@ -19,7 +19,15 @@ import numpy as np
 import pytest
 import torch
 from dist_utils import run_distributed
-from hf_trainer_utils import assert_same_run, documents, make_model_dir, run, tokenizer
+from hf_trainer_utils import (
+    assert_same_run,
+    documents,
+    example,
+    make_model_dir,
+    run,
+    tokenizer,
+    write_jsonl,
+)
 
 import cp_rope.hf as H
 from cp_rope.hf.trainer_data import documents_of
@@ -32,7 +40,13 @@ DOCS = documents(1, 60)
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("hf_trainer")
-    return {f: make_model_dir(str(root / f), f) for f in ("qwen3", "llama")} | {"root": root}
+    return {f: make_model_dir(str(root / f), f) for f in ("qwen3", "llama")} | {
+        "root": root, "jsonl": write_jsonl(str(root / "docs.jsonl"), DOCS)}
+
+
+def _example_argv(dirs: dict, out: str) -> list[str]:
+    return ["--model-dir", dirs["qwen3"], "--data", dirs["jsonl"], "--seq-len", "64",
+            "--steps", "5", "--lr", "3e-3", "--no-bf16", "--out-dir", out, "--timing-warmup", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -44,6 +58,9 @@ def refs(dirs):
         "sft_llama": run("sft", dirs["llama"], DOCS, str(root / "ref_sl")),
         "plain_qwen3": run("plain", dirs["qwen3"], DOCS, str(root / "ref_pq")),
         "sft_llama_ga2": run("sft", dirs["llama"], DOCS, str(root / "ref_sl2"), grad_accum=2),
+        "sft_qwen3_bf16": run("sft", dirs["qwen3"], DOCS, str(root / "ref_sqb"),
+                              args_over={"bf16": True}),
+        "example": example([*_example_argv(dirs, str(root / "ref_ex")), "--no-cp"]),
     }
 
 
@@ -173,6 +190,21 @@ def _cp2_body(rank: int, world: int, dirs: dict, refs: dict) -> None:
                   prepare_kwargs=kw)
         if rank == 0:
             assert_same_run(got, refs[f"{kind}_{fam}"], f"cp2 {kind} {fam} {kw}")
+    # transformers' gradient checkpointing (TRL's default) recomputes the patched layers
+    got = run("sft", dirs["qwen3"], DOCS, str(root / "cp2_gc"), cp_size=2,
+              args_over={"gradient_checkpointing": True})
+    if rank == 0:
+        assert_same_run(got, refs["sft_qwen3"], "cp2 gradient checkpointing")
+    # bf16 autocast (the Trainer's bf16=True) on float32 weights: bf16's rounding, not 1e-5
+    got = run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bf16"), cp_size=2,
+              args_over={"bf16": True})
+    if rank == 0:
+        assert_same_run(got, refs["sft_qwen3_bf16"], "cp2 bf16", rtol=2e-2)
+    # the example script on its JSONL, against the same script with --no-cp on one process
+    got = example(_example_argv(dirs, str(root / "cp2_ex")))
+    if rank == 0:
+        assert_same_run(got, refs["example"], "scripts/sft_trl_example.py cp2")
+        assert got["cp_size"] == 2 and got["tokens_per_s"] > 0 and got["peak_mem_gib"] > 0
     # checkpoint at step 3, then a fresh trainer resumes from it: steps 4 and 5 as uninterrupted
     out = str(root / "cp2_resume")
     run("sft", dirs["qwen3"], DOCS, out, cp_size=2, save_steps=3)

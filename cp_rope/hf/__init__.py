@@ -7,8 +7,10 @@ In a transformers ``Trainer`` / TRL ``SFTTrainer`` script, one call does it all
     trainer = cp_rope.hf.prepare(trainer, cp_size=C)
     trainer.train()
 
-Without a Trainer, three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, and
-Phi3 with its partial rotary; GQA included) into a packed, context-parallel one::
+Without a Trainer, three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3,
+Phi3 with its partial rotary, and the mixtures of experts Qwen3-MoE and Mixtral, whose
+router loss :mod:`cp_rope.hf.moe` computes over the CP group; GQA included) into a
+packed, context-parallel one::
 
     from cp_rope.hf import model_inputs, patch_model
     from cp_rope.parallel import PackingCollator, cp_cross_entropy
