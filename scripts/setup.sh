@@ -2,8 +2,9 @@
 # One-time set-up on a fresh machine: a virtual environment in .venv (it sees
 # the system's packages, so a CUDA build of torch you already have is kept),
 # PyTorch only when it is missing (the CPU wheel 2.13.0 by default), then
-# cp-rope itself, editable, with its test, hf and plot extras (pytest, hypothesis, ruff;
-# transformers for cp_rope.hf; matplotlib for report.png; without network: the package alone, --no-deps
+# cp-rope itself, editable, with its test, hf, plot and trl extras (pytest, hypothesis, ruff;
+# transformers for cp_rope.hf; matplotlib for report.png; TRL, accelerate and datasets for
+# cp_rope.hf.prepare's tests; without network: the package alone, --no-deps
 # --no-build-isolation). Safe to run again.
 # Everything runs from this install: no PYTHONPATH=. anywhere.
 #
@@ -29,7 +30,7 @@ else
   "$PY" -m pip install -q "$spec" \
     || "$PY" -m pip install -q --index-url https://download.pytorch.org/whl/cpu torch
 fi
-if ! "$PY" -m pip install -q -e ".[test,hf,plot]"; then
+if ! "$PY" -m pip install -q -e ".[test,hf,plot,trl]"; then
   # Offline: the package alone, with the build tools already installed.
   echo "setup: installing the test extra failed (no network?); installing cp-rope alone" >&2
   "$PY" -m pip install -q --no-deps --no-build-isolation -e .
