@@ -15,6 +15,8 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.data`: corpora (Python stdlib, JSONL, .txt, .bin), tokenizers, the packed loader.
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
 * :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``).
+* :mod:`cp_rope.launch.run_identity`: the ranks' agreement on the run (config, input contents)
+  before step 1; :mod:`cp_rope.launch.run_lock`: one run per ``--out-dir``.
 * :mod:`cp_rope.launch.tokenizer`: the run's tokenizer (the main job's byte-level BPE, trained
   once per run directory) and held-out split; :mod:`cp_rope.launch.evaluate`: the held-out loss.
 * :mod:`cp_rope.launch.metrics`: throughput, MFU and bits-per-byte arithmetic, rank-0 logging.

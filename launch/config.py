@@ -398,16 +398,19 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     if t.device == "cuda":
         _require(torch.cuda.is_available(), "train.device", t.device, "CUDA is not available")
     on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-    if p.attn_backend in ("cudnn", "flash_attn", "torch_flash", "torch_cudnn"):
+    if p.attn_backend in ("cudnn", "fa4", "flash_attn", "torch_flash", "torch_cudnn"):
         _require(on_cuda, "parallel.attn_backend", p.attn_backend,
                  "needs CUDA (this run is on cpu); use auto or reference")
         _require(t.dtype != "float32", "parallel.attn_backend", p.attn_backend,
                  "runs float16/bfloat16 only; use --dtype auto/bfloat16, or auto or reference")
-    if p.attn_backend == "flash_attn":
-        import importlib.util
+    if p.attn_backend in ("fa4", "flash_attn", "cudnn") and on_cuda and t.dtype != "float32":
+        from cp_rope.parallel import backend_unavailable
 
-        _require(importlib.util.find_spec("flash_attn") is not None, "parallel.attn_backend",
-                 p.attn_backend, "the flash_attn package is not installed")
+        # the library's own rule: package (with its install command), GPU generation, head_dim
+        why = backend_unavailable(p.attn_backend, device="cuda",
+                                  dtype=torch.float16 if t.dtype == "float16" else torch.bfloat16,
+                                  head_dim=m.dim // m.n_heads)
+        _require(why is None, "parallel.attn_backend", p.attn_backend, str(why))
     if p.rope_backend == "triton" and not on_cuda:
         _require(os.environ.get("TRITON_INTERPRET", "0") == "1", "parallel.rope_backend",
                  p.rope_backend, "the Triton kernel needs CUDA, or TRITON_INTERPRET=1 on cpu "

@@ -55,7 +55,7 @@ from .config import ConfigError, DataConfig, ModelConfig, ParallelConfig
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "Corpus", "load_tokenizer", "load_corpus", "stdlib_files",
     "TokenDataset", "build_loader", "placement_args", "held_out_ids", "eval_doc_count",
-    "split_corpus", "token_byte_lengths",
+    "split_corpus", "token_byte_lengths", "corpus_files",
 ]
 
 
@@ -208,8 +208,15 @@ def stdlib_files() -> list[str]:
     return sorted(files)
 
 
-def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
+def corpus_files(cfg: DataConfig) -> list[str]:
+    """The files the corpus ``cfg.data`` reads, in reading order: the stdlib's or the
+    directory's (the first ``max_docs``), else the one ``.jsonl`` / ``.bin`` file.
+
+    Raises: ConfigError naming ``data.data`` (no files, an unreadable directory, a file of
+    another kind)."""
     path = cfg.data
+    if path is not None and (path.endswith(".jsonl") or path.endswith(".bin")):
+        return [path]
     if path is None:
         files = stdlib_files()
         if not files:
@@ -220,11 +227,16 @@ def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
         files = sorted(glob.glob(os.path.join(path, "**", "*.txt"), recursive=True))
         if not files:
             raise ConfigError(f"data.data={path!r}: directory holds no *.txt files")
-    elif path.endswith(".jsonl"):
-        return _read_jsonl(path, cfg.text_field, cfg.max_docs)
     else:
         raise ConfigError(f"data.data={path!r}: expected a .jsonl file, a .bin file or a directory")
-    files = files[: cfg.max_docs]
+    return files[: cfg.max_docs]
+
+
+def _read_texts(cfg: DataConfig) -> Iterable[bytes | str]:
+    path = cfg.data
+    if path is not None and path.endswith(".jsonl"):
+        return _read_jsonl(path, cfg.text_field, cfg.max_docs)
+    files = corpus_files(cfg)
 
     def gen():
         for f in files:

@@ -36,13 +36,11 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import json
 import math
 import os
 import signal
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -50,10 +48,10 @@ import torch.distributed as dist
 
 from cp_rope.parallel.mesh import ParallelDims
 
-from .checkpoint import load_checkpoint, resume_checkpoint, run_identity, save_checkpoint
+from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
-from .config import ConfigError, PretrainConfig, to_dict, validate
+from .config import ConfigError, PretrainConfig, validate
 from .cp_startup import cp_start_up, log_auto_choice
 from .data import TokenDataset, build_loader, padded_vocab_size, placement_args
 from .evaluate import HeldOut
@@ -63,7 +61,7 @@ from .optim import all_reduce_gradients, build_optimizer, clip_gradients, lr_lam
 from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 from .plan_memory import auto_settings
 from .plot import write_report
-from .run_dir import prepare_out_dir
+from .run_dir import RunStart, start_run
 from .tokenizer import prepare_corpora
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
@@ -93,10 +91,10 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there)
+    # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there);
+    extra = {"seq_lens": batch.seq_lens} if getattr(model, "uses_seq_lens", False) else {}  # MoE
     loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, placement=batch.placement,
-                 position_ids=batch.position_ids,
-                 labels=batch.labels, loss_group=loss_group)
+                 position_ids=batch.position_ids, labels=batch.labels, loss_group=loss_group, **extra)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:
         all_reduce_gradients(model, reduce_group)
@@ -268,14 +266,15 @@ class Trainer:
     stats: StepStats | None = None
     """Per-step bits-per-byte and CP-balance counts; ``held_out``: the evaluation, or None."""
     held_out: HeldOut | None = None
+    start: RunStart | None = None  # the agreed run (inputs' contents), rank 0's out-dir lock
 
     @property
     def ckpt_root(self) -> str:
         return os.path.join(self.cfg.train.out_dir, "checkpoints")
 
 
-def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
-           program: str = "pretrain") -> Trainer:
+def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str = "pretrain",
+           extra: dict | None = None, files: dict | None = None) -> Trainer:
     """Everything before the first step, inside an initialised process group.
 
     ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
@@ -286,8 +285,12 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
     ``--memory auto`` picks the memory flags (:func:`cp_rope.launch.plan_memory.auto_settings`)
     for ``memory_shapes`` (a :class:`~cp_rope.launch.plan_memory.Shapes`; default: ``cfg.model``'s).
     ``program`` names the entry point in the first log line (``cp-rope <program>: world ...``).
+    ``extra`` / ``files``: a trainer's own config sections and input files, agreed on by the
+    ranks with the rest of the run (:func:`cp_rope.launch.run_dir.start_run`).
 
-    Validates ``cfg`` against the world size, checks the out-dir, builds the
+    Agrees on the run with every rank (``cfg`` validated against the world size, the
+    inputs' contents; :func:`~cp_rope.launch.run_dir.start_run`), locks and checks the
+    out-dir, builds the
     ``("dp", "cp")`` mesh, the data (corpus, dataset, this rank's loader), the
     model (:func:`build_model`, then :func:`~cp_rope.launch.parallelize.parallelize`),
     the optimizer and LR schedule; resumes from the newest checkpoint with
@@ -296,12 +299,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
     Raises: ConfigError naming the field.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
-    validate(cfg, world)
-    if rank == 0 and cfg.optim.warmup_steps > 0 and cfg.train.steps <= cfg.optim.warmup_steps:
-        warnings.warn(f"train.steps={cfg.train.steps} <= optim.warmup_steps={cfg.optim.warmup_steps}: "
-                      "the LR warms up for the whole run (the peak optim.lr is reached at most at "
-                      "the last step; no cosine decay); lower --warmup-steps", UserWarning, stacklevel=3)
-    prepare_out_dir(cfg, rank)
+    start = start_run(cfg, extra=extra, files=files)  # agreement, out-dir lock and rules
     dims = ParallelDims.from_world(cfg.parallel.cp_size, world)
     device = torch.device("cuda", torch.cuda.current_device()) if (
         cfg.train.device != "cpu" and dist.get_backend() == "nccl") else torch.device("cpu")
@@ -309,6 +307,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
 
     corpus = (run_data := prepare_corpora(cfg, rank)).train  # tokenizer (BPE), held-out split
+    start.record_tokenizer(run_data.trained_tokenizer)
     cfg = _resolve(cfg, corpus.vocab_size)
     memory_note = None
     if cfg.model.memory == "auto":  # before the model exists: the choice shapes it
@@ -339,7 +338,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
     if resume_from is not None:
         step, sampler_state = load_checkpoint(resume_from, model, optimizer, scheduler,
                                               batches.state_dict(), verify=False,  # just verified
-                                              run=run_identity(cfg, world))
+                                              run=start.checkpoint_run(cfg, world))
         batches.load_state_dict(sampler_state)
     else:
         sampler.set_epoch(0)
@@ -348,9 +347,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
                         resume_step=step if cfg.train.resume else None,
                         tensorboard=cfg.train.tensorboard, total_steps=cfg.train.steps,
                         start_step=step, progress=cfg.train.progress)
-    if rank == 0:
-        with open(os.path.join(cfg.train.out_dir, "config.json"), "w") as f:
-            json.dump(to_dict(cfg), f, indent=2)
+    start.write_config(cfg)
     for line in run_data.notes + [f"skipped {path}: {reason}" for path, reason in skipped]:
         log.write(line)
     if memory_note:
@@ -369,7 +366,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None,
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
                             peak_tflops=peak_tflops(device, cfg.train.peak_tflops), device=device)
     group = flat_mesh(mesh).get_group()
-    return Trainer(cfg=cfg, dims=dims, device=device, fsdp=fsdp, model=model,
+    return Trainer(cfg=cfg, dims=dims, device=device, fsdp=fsdp, model=model, start=start,
                    loss_group=group, optimizer=optimizer, scheduler=scheduler,
                    batches=batches, log=log, throughput=throughput, step=step, start_step=step,
                    stats=StepStats(run_data.token_bytes, cp_size=dims.cp, group=group, device=device),
@@ -424,7 +421,7 @@ def train_loop(tr: Trainer) -> None:
                     and tr.step < last:
                 save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,
                                 tr.batches.state_dict(), cfg.train.keep_checkpoints,
-                                run=run_identity(cfg, world))
+                                run=tr.start.checkpoint_run(cfg, world))
 
 
 def summarize(tr: Trainer) -> dict:
@@ -438,7 +435,7 @@ def summarize(tr: Trainer) -> dict:
         if step > start or tr.interrupted:
             path = save_checkpoint(tr.ckpt_root, step, tr.model, tr.optimizer, tr.scheduler,
                                    tr.batches.state_dict(), cfg.train.keep_checkpoints,
-                                   run=run_identity(cfg, tr.dims.world_size))
+                                   run=tr.start.checkpoint_run(cfg, tr.dims.world_size))
             tr.log.write(f"checkpoint: {path}")
     tokens_per_s, only_first = tr.throughput.run_tokens_per_s()
     summary = {"losses": losses, "start_step": start, "steps_run": step - start,
@@ -472,11 +469,14 @@ def run(cfg: PretrainConfig) -> dict:
     """
     tr = set_up(cfg)
     try:
-        train_loop(tr)
-    except BaseException:
-        tr.log.close()
-        raise
-    return summarize(tr)
+        try:
+            train_loop(tr)
+        except BaseException:
+            tr.log.close()
+            raise
+        return summarize(tr)
+    finally:
+        tr.start.close()
 
 
 def main(argv: list[str] | None = None) -> dict:

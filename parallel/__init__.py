@@ -43,6 +43,7 @@ _EXPORTS = {
     # the one list of each choice
     "METHODS": "choices",
     "BACKENDS": "choices",
+    "backend_unavailable": "_blocks",
     "PLACEMENTS": "choices",
     "LOSS_IMPLS": "choices",
     "comm_volume": "ulysses",
@@ -57,6 +58,8 @@ _EXPORTS = {
     "tiled_mlp": "_tiled_mlp",
     # process groups / DeviceMesh
     "ParallelDims": "mesh",
+    # cross-rank agreement before data moves (module _agree)
+    "agree_across_ranks": "_agree",
 }
 
 __all__ = sorted(_EXPORTS)

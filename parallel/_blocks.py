@@ -29,6 +29,12 @@ Backends (``name``: device, dtypes, head dims):
   workspace stay O(T x H). Rows of a segment without keys come back undefined
   and are set to (0, -inf).
 
+* ``fa4``: FlashAttention-4 (``flash-attn-4`` >= 4.0.0b36 with ``nvidia-cutlass-dsl`` >=
+  4.6.2, the extra ``fa4``), CUDA sm90+ (its backward has no sm80 kernels), fp16/bf16, head
+  dim a multiple of 8 in 8-256 on sm90 (8-128 or 256 on sm100+), GQA native; one varlen call
+  per block, no padded state (:mod:`cp_rope.parallel._fa4`). JIT-compiles one kernel per
+  (dtype, head_dim, GQA ratio, causal) on first use (``max_seqlen`` passed bucketed).
+
 * ``reference``: pure PyTorch, any device, any floating dtype (computes in
   float64 for float64 input, else float32), any head dim; chunked over query
   rows (128 at a time) and over the key span those rows can see, so a few
@@ -53,10 +59,14 @@ import torch
 from cp_rope.validation import check_choice
 
 from . import _compat
+from ._calibration import active_calibration
 from ._cudnn_thd import CudnnTHD as _CudnnTHD
+from ._fa4 import CudnnFa4 as _CudnnFa4
+from ._fa4 import Fa4 as _Fa4
 from .choices import BACKENDS, WINDOW_BACKENDS
 
-__all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "BACKENDS"]
+__all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "backend_unavailable",
+           "BACKENDS"]
 
 NEG_INF = float("-inf")
 
@@ -337,21 +347,47 @@ class _Cudnn:
             del g
 
 
-def _unsupported(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False) -> str | None:
-    """Why ``backend`` cannot run these inputs (None: it can)."""
-    d = q.shape[-1]
-    if windowed and backend not in WINDOW_BACKENDS:
-        return (f"does not run sliding-window blocks (window=); the backends that do: "
-                f"{WINDOW_BACKENDS}")
+def _fa4_head_dim(major: int, d: int) -> str | None:
+    """Why FA4 refuses head_dim ``d`` on an sm``major``x GPU (flash_attn/cute/interface.py's
+    ``_validate_head_dims``, 4.0.0b36), None if it runs it."""
+    if d % 8 == 0 and (8 <= d <= 256 if major == 9 else (8 <= d <= 128 or d == 256)):
+        return None
+    rule = "8-256" if major == 9 else "8-128 or 256"
+    return f"supports head_dim {rule} (a multiple of 8) on sm{major}x, got {d}"
+
+
+def backend_unavailable(backend: str, *, device, dtype: torch.dtype, head_dim: int,
+                        n_seqs: int = 1) -> str | None:
+    """Why block backend ``backend`` (a name of :data:`BACKENDS`) cannot run attention of
+    ``dtype`` / ``head_dim`` on ``device`` (None: it can). Host checks only (package
+    importable, device kind and compute capability, dtype, head dim; ``n_seqs`` for
+    torch_cudnn), so the trainers refuse a setting before their first step. The reason
+    names what is missing and, for a missing package, the command that installs it.
+
+    Raises: ValueError for a name that is not a backend.
+    """
+    device = torch.device(device)
+    d = int(head_dim)
     if backend == "reference":
         return None
-    if q.device.type != "cuda":
-        return f"needs CUDA tensors, got device {q.device}"
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        return f"supports float16/bfloat16, got {q.dtype}"
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    if device.type != "cuda":
+        return f"needs CUDA tensors, got device {device}"
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"supports float16/bfloat16, got {dtype}"
+    if backend == "fa4":
+        why = _compat.fa4_unavailable()
+        if why is not None:
+            return f"{why}; install it with {_compat.FA4_INSTALL}"
+        major = torch.cuda.get_device_capability(device)[0]
+        if major < 9:
+            return (f"needs a Hopper (sm90) or newer GPU (FA4 has no sm{major}x backward); "
+                    "use backend='cudnn'")
+        return _fa4_head_dim(major, d)
     if backend == "flash_attn":
         if not _compat.flash_attn_available():
-            return "the flash_attn package is not importable"
+            return "the flash_attn (flash-attn 2) package is not importable"
         return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
     if backend == "torch_flash":
         return None if d <= 256 and d % 8 == 0 else f"supports head_dim <= 256 (multiple of 8), got {d}"
@@ -359,16 +395,30 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fa
         why = _compat.cudnn_frontend_unavailable()
         if why is not None:
             return f"{why}; install it with {_compat.CUDNN_INSTALL}"
-        if torch.cuda.get_device_capability(q.device)[0] < 8:
+        if torch.cuda.get_device_capability(device)[0] < 8:
             return "needs an sm80+ GPU"
         return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
-    if backend == "torch_cudnn":
-        if not _compat.torch_cudnn_available():
-            return "needs cuDNN >= 9 on an sm80+ GPU with torch >= 2.6"
-        if n_seqs != 1:
-            return f"runs batches of one sequence (cu_seqlens of 2 entries), got {n_seqs} sequences"
-        return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
-    raise ValueError(f"backend must be 'auto' or one of {BACKENDS}, got {backend!r}")
+    # torch_cudnn
+    if not _compat.torch_cudnn_available():
+        return "needs cuDNN >= 9 on an sm80+ GPU with torch >= 2.6"
+    if n_seqs != 1:
+        return f"runs batches of one sequence (cu_seqlens of 2 entries), got {n_seqs} sequences"
+    return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
+
+
+def _window_refusal(backend: str, windowed: bool) -> str | None:
+    """Why ``backend`` cannot run a plan with sliding-window blocks (None: it can, or the
+    plan has none): only :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` take a window."""
+    if windowed and backend in BACKENDS and backend not in WINDOW_BACKENDS:
+        return (f"does not run sliding-window blocks (window=); the backends that do: "
+                f"{WINDOW_BACKENDS}")
+    return None
+
+
+def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
+    """Why ``backend`` cannot run these inputs (None: it can)."""
+    return backend_unavailable(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
+                               n_seqs=n_seqs)
 
 
 def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False):
@@ -376,25 +426,43 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fal
     (``windowed``: for a plan with a sliding window, whose blocks only the backends of
     :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those).
 
-    ``auto``'s rule: the first of :data:`BACKENDS` that runs these inputs -- cudnn (the
-    cuDNN frontend importable; CUDA sm80+, fp16/bf16, head_dim <= 128), flash_attn (if
-    importable), torch_cudnn (a batch of one sequence), torch_flash, reference. The order
-    is by measured speed on an H200 (``docs/benchmarks.md``: cudnn is the fastest or within
-    run-to-run spread of the fastest on every measured layout, skewed ones included, since
-    it groups documents by length); it does not depend on the document lengths.
+    ``auto``'s rule, by measured speed on an H200 (``docs/benchmarks.md``):
 
-    Raises: ValueError naming the backend and the unsupported property.
+    * cudnn and fa4 both run these inputs (CUDA sm90+, fp16/bf16, head_dim <= 128, both
+      packages importable): **per segment** (one document's share of a block), FA4 when its
+      query rows are at least the crossover length ``c(head_dim)`` of the active calibration
+      (:meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`: the measured table of
+      ``python -m cp_rope.parallel.calibrate``, else the shipped H200 one), cuDNN below it
+      (:class:`~cp_rope.parallel._fa4.CudnnFa4`; a block whose segments all fall on one side
+      runs as that backend alone). FA4 is faster on long documents (its TFLOP/s at head_dim
+      64: 530 against cuDNN's 432), cuDNN on short ones (512 x 256 tokens: FA4 1.3x slower).
+      The cost model (``cost_model.predict(backend="auto")``) times each segment by the same
+      rule.
+    * otherwise the first of :data:`BACKENDS` that runs them: cudnn (CUDA sm80+, head_dim <=
+      128), fa4 (head_dim up to 256 on sm90), flash_attn (flash-attn 2, if importable),
+      torch_cudnn (a batch of one sequence), torch_flash, reference.
+
+    Raises: ValueError naming the backend and the unsupported property (for fa4 without the
+    package: the install command).
     """
     check_choice("backend", backend, ("auto", *BACKENDS))
     if backend == "auto":
-        backend = next(b for b in BACKENDS if _unsupported(b, q, n_seqs, windowed) is None)
-    why = _unsupported(backend, q, n_seqs, windowed)
+        runs = [b for b in BACKENDS if _window_refusal(b, windowed) is None
+                and _unsupported(b, q, n_seqs) is None]
+        if "cudnn" in runs and "fa4" in runs:
+            crossover = active_calibration().crossover_at(q.shape[-1])
+            if crossover is not None:
+                return _CudnnFa4(crossover)
+        backend = runs[0]
+    why = _window_refusal(backend, windowed) or _unsupported(backend, q, n_seqs)
     if why is not None:
         raise ValueError(f"backend={backend!r} {why}")
     if backend == "reference":
         return _Reference()
     if backend == "cudnn":
         return _CudnnTHD()
+    if backend == "fa4":
+        return _Fa4()
     if backend == "torch_cudnn":
         return _Cudnn()
     if backend == "torch_flash":

@@ -12,10 +12,14 @@ import math
 import numpy as np
 import torch
 
+from . import _compat
+
 __all__ = ["Calibration", "CalibrationError", "active_calibration", "default_calibration",
            "load_calibration", "save_calibration", "use_calibration"]
 
 FORMAT = 1
+_OPTIONAL = ("source", "crossover", "fa4_version")
+"""Fields a file may lack (files written before FA4: no crossover, auto keeps to cuDNN)."""
 
 
 class CalibrationError(ValueError):
@@ -42,6 +46,22 @@ class Calibration:
     node_size: int = 8
     internode_gbps: float = 50.0
     source: str = ""
+    crossover: dict = dataclasses.field(default_factory=dict)
+    """head_dim -> query rows: under ``backend="auto"`` a segment with at least this many query
+    rows runs on FA4, a shorter one on cuDNN (:meth:`crossover_at`; measured by ``python -m
+    cp_rope.parallel.calibrate`` for each head_dim it times; empty: auto never uses FA4)."""
+    fa4_version: str = ""
+    """flash-attn-4's version when the kernel tables were measured ("" if it was absent); a file
+    measured with another version than this process's is refused."""
+
+    def crossover_at(self, head_dim: int) -> int | None:
+        """The crossover (query rows, see :attr:`crossover`) for ``head_dim``: the entry of the
+        nearest calibrated head_dim (by ratio; a tie goes to the smaller), None when the table
+        is empty."""
+        if not self.crossover:
+            return None
+        near = min(self.crossover, key=lambda d: (abs(math.log(int(d) / head_dim)), int(d)))
+        return int(self.crossover[near])
 
     def tflops_at(self, backend: str, keys: np.ndarray) -> np.ndarray:
         """TFLOP/s of ``backend`` at ``keys`` per query row (log-linear interpolation, clamped
@@ -56,6 +76,7 @@ class Calibration:
         d["format"] = FORMAT
         d["block_keys"] = list(self.block_keys)
         d["tflops"] = {k: list(v) for k, v in self.tflops.items()}
+        d["crossover"] = {str(k): int(v) for k, v in self.crossover.items()}
         return d
 
 
@@ -67,10 +88,16 @@ def _table(peak: float, half: float, keys) -> tuple[float, ...]:
 # H200 constants, fitted by scripts/validate_cost_model.py --fit to the one-H200 rows (cp 1
 # and --simulate-cp) and the two-H200 cp 2 rows of docs/benchmarks.md (torch 2.11, cuDNN
 # frontend 1.32): TFLOP/s at 16 / 128 / 1024 / 8192 / 65536 keys per query row.
+# fa4: cuDNN's table times cuDNN / FA4 time on the layouts of issue 31 (one H200, flash-attn-4
+# 4.0.0b36, nvidia-cutlass-dsl 4.8.1; d 64 and 128 averaged: 0.75 at 128 keys per row (512 x
+# 256 tokens), 1.0 at 1024 (64 x 2048), 1.15 from 8192 (long documents)). The crossover: FA4
+# from 2048 query rows at head_dim 64, from 4096 at 128 (64 x 2048: FA4 0.97 / 1.03 of cuDNN).
 _H200 = dict(
     block_keys=(16.0, 128.0, 1024.0, 8192.0, 65536.0),
     tflops={"cudnn": (243.7, 203.4, 503.6, 503.6, 546.3),
+            "fa4": (182.8, 152.6, 503.6, 579.1, 628.2),
             "torch_flash": (31.3, 150.1, 285.2, 321.4, 326.6)},
+    crossover={64: 2048, 128: 4096}, fa4_version="4.0.0b36",
     call_us=855.3, merge_bytes_per_row=41.27, hbm_gbps=4000.0, p2p_gbps=221.9, a2a_gbps=154.5,
     collective_gbps=88.1, latency_us=0.0, seg_ns=3.21, tile=128)
 
@@ -139,7 +166,7 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
         raise CalibrationError(f"calibration file {path!r}: not a cp_rope calibration (format "
                                f"{FORMAT}); write one with python -m cp_rope.parallel.calibrate")
     fields = [f.name for f in dataclasses.fields(Calibration)]
-    missing = [k for k in fields if k not in raw and k != "source"]
+    missing = [k for k in fields if k not in raw and k not in _OPTIONAL]
     for key in ("tile", "node_size"):
         if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1):
             missing.append(f"{key} (an int >= 1)")
@@ -152,6 +179,8 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
                                             "p2p_gbps", "a2a_gbps", "collective_gbps",
                                             "latency_us", "seg_ns", "internode_gbps")}
         tile, node_size = int(raw["tile"]), int(raw["node_size"])
+        crossover = {int(k): int(v) for k, v in raw.get("crossover", {}).items()}
+        fa4_version = str(raw.get("fa4_version", ""))
     except (TypeError, ValueError, AttributeError) as exc:
         raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
     bad = [k for k, v in nums.items() if not math.isfinite(v) or v < 0
@@ -160,6 +189,7 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
             if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
     if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or not tflops:
         bad.append("block_keys / tflops['cudnn']")
+    bad += [f"crossover[{k}]" for k, v in crossover.items() if k < 1 or v < 0]
     if bad:
         raise CalibrationError(f"calibration file {path!r}: invalid {', '.join(bad)}")
     if check_machine:
@@ -169,6 +199,13 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
                 f"calibration file {path!r}: measured on {raw['device_name']!r} with torch "
                 f"{raw['torch_version']}, this run uses {here!r} with torch {torch.__version__}; "
                 f"calibrate here (python -m cp_rope.parallel.calibrate --out {path})")
+        here_fa4 = _compat.fa4_version()
+        if crossover and here_fa4 is not None and fa4_version != here_fa4:
+            raise CalibrationError(
+                f"calibration file {path!r}: its FA4 / cuDNN crossover table was measured with "
+                f"flash-attn-4 {fa4_version or '(none)'}, this process has {here_fa4}; "
+                f"calibrate here (python -m cp_rope.parallel.calibrate --out {path})")
     return Calibration(device_name=str(raw["device_name"]), torch_version=str(raw["torch_version"]),
                        block_keys=keys, tflops=tflops, tile=tile, node_size=node_size,
+                       crossover=crossover, fa4_version=fa4_version,
                        source=f"file {path}", **nums)

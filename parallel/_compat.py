@@ -32,6 +32,13 @@ names:
   workspace) until the collector runs: 12 GiB at 262,144 tokens and 48 GiB at
   1,048,576 (Qwen3-shaped layer, bf16, one H200), kept for the rest of the
   backward (scripts/memory_timeline.py ``--gc-watch --gc-save``).
+* :func:`fa4_varlen_fwd` / :func:`fa4_varlen_bwd`: FlashAttention-4 (``flash-attn-4`` >=
+  4.0.0b36, the extra ``fa4``; CuTe DSL kernels JIT-compiled per variant), its private
+  ``flash_attn.cute.interface._flash_attn_fwd`` / ``_flash_attn_bwd`` (the public
+  ``flash_attn_varlen_func`` is an autograd Function whose backward reuses its own output and
+  LSE; a ring's backward needs the merged ones). Varlen: LSE ``[Hq, T]`` float32, -inf for
+  rows without a key. FA4 installs into the ``flash_attn`` namespace (``flash_attn/cute``, no
+  ``flash_attn/__init__.py``); flash-attn 2 is told apart by its extension ``flash_attn_2_cuda``.
 * :func:`all_gather_single` / :func:`reduce_scatter_single`: torch 2.13
   renamed ``all_gather_into_tensor`` / ``reduce_scatter_tensor``.
 * :func:`group_timeout`: a process group's timeout (its backend's private
@@ -43,7 +50,10 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import importlib.metadata
+import importlib.util
 import inspect
+import re
 import sys
 import threading
 
@@ -55,6 +65,11 @@ __all__ = [
     "all_gather_single",
     "reduce_scatter_single",
     "flash_attn_available",
+    "FA4_INSTALL",
+    "fa4_unavailable",
+    "fa4_version",
+    "fa4_varlen_fwd",
+    "fa4_varlen_bwd",
     "flash_attn_varlen_fwd",
     "flash_attn_varlen_bwd",
     "torch_flash_varlen_fwd",
@@ -269,12 +284,15 @@ def cudnn_dense_bwd(dout, q, k, v, out, lse, causal, scale):
 
 @functools.cache
 def _flash_attn_interface():
+    # flash-attn 2's extension: a flash_attn namespace holding only flash_attn/cute is FA4
+    if importlib.util.find_spec("flash_attn_2_cuda") is None:
+        return None
     try:
         import flash_attn
         from flash_attn import flash_attn_interface as fai
     except ImportError:
         return None
-    if _version_tuple(flash_attn.__version__) < (2, 6):
+    if _version_tuple(getattr(flash_attn, "__version__", "0.0")) < (2, 6):
         raise RuntimeError(f"flash_attn {flash_attn.__version__} is too old for cp_rope "
                            "(needs >= 2.6); upgrade it or pass backend='torch_flash'")
     try:  # 2.7+ takes window_size_left/right; 2.6 a window_size=(left, right) tuple
@@ -314,6 +332,100 @@ def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, cau
         softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
         deterministic=False, rng_state=rng_state, **_window_kwargs(split_window))
     return dq, dk, dv
+
+
+# ----------------------------------------------------------------- FlashAttention-4
+
+FA4_MIN = "4.0.0b36"
+FA4_INSTALL = ('pip install "cp-rope[fa4]"  (flash-attn-4>=4.0.0b36, nvidia-cutlass-dsl>=4.6.2; '
+               'docs/parallel.md "FlashAttention-4")')
+_FA4_FWD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "softmax_scale",
+                 "causal", "window_size_left", "window_size_right", "learnable_sink", "return_lse")
+_FA4_BWD_ARGS = ("cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k",
+                 "window_size_left", "window_size_right", "learnable_sink")
+
+
+def _release(v: str) -> tuple:
+    """``"4.0.0b36"`` -> ``(4, 0, 0, -2, 36)``: comparable, pre-releases (a < b < rc) before
+    the release (``(.., 0, 0)``); an unparsable version compares lowest."""
+    m = re.match(r"^(\d+)\.(\d+)(?:\.(\d+))?(?:(a|b|rc)(\d+))?", v)
+    if m is None:
+        return (-1,)
+    pre = {"a": -3, "b": -2, "rc": -1}.get(m.group(4), 0)
+    return (int(m.group(1)), int(m.group(2)), int(m.group(3) or 0), pre, int(m.group(5) or 0))
+
+
+def fa4_version() -> str | None:
+    """The installed ``flash-attn-4`` distribution's version (None: not installed)."""
+    try:
+        return importlib.metadata.version("flash-attn-4")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+@functools.cache
+def _fa4() -> tuple[object | None, str | None]:
+    """``(flash_attn.cute.interface, None)``, or ``(None, why it is unusable)``."""
+    version = fa4_version()
+    if version is None and importlib.util.find_spec("flash_attn_2_cuda") is not None:
+        return None, ("needs flash-attn-4; the flash_attn package here is flash-attn 2 "
+                      "(backend='flash_attn')")
+    try:
+        from flash_attn.cute import interface
+    except Exception as exc:  # a broken install raises more than ImportError (CUDA libs, DSL)
+        return None, f"needs flash-attn-4, which is not importable ({type(exc).__name__}: {exc})"
+    if version is not None and _release(version) < _release(FA4_MIN):
+        return None, f"needs flash-attn-4 >= {FA4_MIN}; found {version}"
+    for fn, args in (("_flash_attn_fwd", _FA4_FWD_ARGS), ("_flash_attn_bwd", _FA4_BWD_ARGS)):
+        try:
+            params = inspect.signature(getattr(interface, fn)).parameters
+        except (AttributeError, TypeError, ValueError):
+            return None, f"flash-attn-4 {version} has no flash_attn.cute.interface.{fn}"
+        missing = [a for a in args if a not in params]
+        if missing:
+            return None, f"flash-attn-4 {version}: {fn} lacks {', '.join(missing)}"
+    return interface, None
+
+
+def fa4_unavailable() -> str | None:
+    """Why FlashAttention-4 cannot be used in this process (None: it can). Host only; cached."""
+    return _fa4()[1]
+
+
+def _fa4_interface():
+    fa4, why = _fa4()
+    if fa4 is None:
+        raise RuntimeError(f"backend='fa4' {why}; install it with {FA4_INSTALL}")
+    return fa4
+
+
+def fa4_varlen_fwd(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,
+                   window=(None, None), sink=None):
+    """FA4 varlen forward: q ``[Tq, Hq, D]``, k/v ``[Tk, Hkv, D]`` (GQA native), int32 cu_q /
+    cu_k, host-int ``max_q`` / ``max_k`` (upper bounds: part of nothing the kernels compile
+    for on SM90, but keep them bucketed). ``window``: (left, right) or (None, None);
+    ``sink``: float32 ``[Hq]`` learnable sink logits or None.
+
+    Returns (out ``[Tq, Hq, D]`` q.dtype, lse ``[Hq, Tq]`` float32 contiguous, -inf where a
+    row sees no key). Rows at or beyond ``cu_q[-1]`` are left unwritten.
+    """
+    out, lse, *_ = _fa4_interface()._flash_attn_fwd(
+        q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
+        softmax_scale=scale, causal=causal, window_size_left=window[0],
+        window_size_right=window[1], learnable_sink=sink, return_lse=True)
+    return out, lse
+
+
+def fa4_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
+                   scale: float, window=(None, None), sink=None):
+    """Gradients of :func:`fa4_varlen_fwd` from any (out, lse) pair (the merged ones of a CP
+    ring): ``lse`` float32 ``[Hq, Tq]`` contiguous. Returns (dq, dk, dv) in the input dtype
+    (dk/dv with k's head count; zero for keys of segments without queries), plus dsink when
+    ``sink`` is given."""
+    return _fa4_interface()._flash_attn_bwd(
+        q, k, v, out, dout, lse, scale, causal, window_size_left=window[0],
+        window_size_right=window[1], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+        max_seqlen_k=max_k, learnable_sink=sink)
 
 
 # ----------------------------------------------------------------- process groups

@@ -266,6 +266,13 @@ class _PaddedLSE:
     def __init__(self, lse):
         self.lse, self._made = lse, {}
 
+    def flat(self) -> torch.Tensor:
+        """The merged LSE ``[Hq, T]`` contiguous (FA4's backward in ``auto``), once."""
+        got = self._made.get("flat")
+        if got is None:
+            got = self._made["flat"] = self.lse.contiguous()
+        return got
+
     def padded(self, key, starts: torch.Tensor, s: int) -> torch.Tensor:
         """Segment b's LSE rows ``starts[b] + [0, s)`` (past the segment: filler) as one
         contiguous ``[B, Hq, s, 1]`` tensor (a single gather, no ``[Hq, B s]`` temporary)."""

@@ -26,7 +26,10 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
+from . import _compat
+from ._blocks import backend_unavailable
 from ._calibration import (
     FORMAT,
     Calibration,
@@ -38,10 +41,12 @@ from ._calibration import (
     save_calibration,
     use_calibration,
 )
+from .attention import attention_plan, context_parallel_attention
+from .choices import BACKENDS
 
-__all__ = ["FORMAT", "Calibration", "CalibrationError", "active_calibration",
-           "default_calibration", "load_calibration", "measure", "save_calibration",
-           "use_calibration"]
+__all__ = ["FORMAT", "NEVER", "Calibration", "CalibrationError", "active_calibration",
+           "crossover_from", "default_calibration", "load_calibration", "measure",
+           "save_calibration", "use_calibration"]
 
 
 # ------------------------------------------------------------------ measurement
@@ -56,25 +61,71 @@ def _time(fn, sync, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+NEVER = 2 ** 31 - 1
+"""A crossover no document reaches: FA4 was slower at every measured length."""
+
+
+def _kernels(device: torch.device, backend: str, head_dim: int) -> list[str]:
+    """The block backends whose tables :func:`measure` times: ``auto`` on a GPU where cudnn
+    and fa4 both run: both (and the crossover table); else the one ``auto`` picks."""
+    if backend != "auto":
+        return [backend]
+    runs = [b for b in BACKENDS if backend_unavailable(
+        b, device=device, dtype=torch.bfloat16, head_dim=head_dim) is None]
+    return ["cudnn", "fa4"] if {"cudnn", "fa4"} <= set(runs) else runs[:1]
+
+
+def _timer(device, dtype, heads, kv_heads, head_dim, sync, iters, gen):
+    """``time(L, T, backend)``: seconds of forward + backward causal attention over documents
+    of ``L`` rows packed into ``T`` (a prebuilt plan: kernels and glue, no plan building)."""
+    def time_it(L: int, T: int, backend: str) -> float:
+        cu = torch.arange(0, T + 1, L, dtype=torch.int32)
+        q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen)
+        k = torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
+        v = torch.randn_like(k)
+        q.requires_grad_(True)
+        plan = attention_plan(cu.to(device), L, q_heads=heads, kv_heads=kv_heads,
+                              head_dim=head_dim, dtype=dtype, device=device, backend=backend)
+        dout = torch.randn_like(q)
+
+        def step():
+            out = context_parallel_attention(q, k, v, cu.to(device), L, plan=plan)
+            out.backward(dout)
+        return _time(step, sync, iters)
+    return time_it
+
+
+def crossover_from(lengths, t_cudnn, t_fa4) -> int:
+    """The crossover (query rows) from timings at increasing document ``lengths``: the
+    shortest length from which FA4 is at least as fast at every longer measured length
+    (:data:`NEVER` when it is slower at the longest). Pure: unit-tested on the CPU."""
+    cross = NEVER
+    for L, tc, tf in sorted(zip(lengths, t_cudnn, t_fa4, strict=True), reverse=True):
+        if tf > tc:
+            break
+        cross = int(L)
+    return cross
+
+
 def measure(device: torch.device | str | None = None, *, backend: str = "auto",
             tokens: int = 32768, heads: int = 8, kv_heads: int = 2, head_dim: int = 128,
-            iters: int = 3, group=None) -> Calibration:
+            iters: int = 3, group=None, crossover_dims=(64, 128)) -> Calibration:
     """Measure the local device (and, with ``group`` of more than one rank, its links).
 
-    Kernel table: forward + backward of causal attention over documents of length ``L``
-    packed into ``tokens`` rows (``L`` = 2 .. tokens), through the library's block backend
-    (``backend``), giving TFLOP/s at ``L / 2`` keys per row; ``call_us`` from a one-row
-    call; ``hbm_gbps`` from a large copy; links: all-to-all, all-gather and a ring
-    ``send/recv`` of 64 MiB over ``group``. Without a group the link constants stay the
-    shipped defaults. On a CPU (for testing) tokens are capped at 1024 with the reference
-    backend in float32.
+    Kernel tables: forward + backward of causal attention over documents of length ``L``
+    packed into ``tokens`` rows (``L`` = 2 .. tokens by 4x), through the library's block
+    backend with a prebuilt plan, giving TFLOP/s at ``(L + 1) / 2`` keys per row. With
+    ``backend="auto"`` on a GPU where cudnn and fa4 both run, both are timed, and the
+    crossover table (:attr:`Calibration.crossover`) is measured at each of
+    ``crossover_dims``: both kernels at ``L`` = 64, 128, ... tokens, the crossover by
+    :func:`crossover_from`. ``call_us`` from a one-row call; ``hbm_gbps`` from a large copy;
+    links: all-to-all, all-gather and a ring ``send/recv`` of 64 MiB over ``group``.
+    Without a group the link constants stay the shipped defaults. On a CPU (for testing)
+    tokens are capped at 1024 with the reference backend in float32.
 
-    Returns: a :class:`Calibration` recording this device's name and torch's version.
+    Returns: a :class:`Calibration` recording this device's name, torch's and flash-attn-4's
+    versions.
     """
-    import torch.distributed as dist
-
-    from .attention import context_parallel_attention
-
     device = torch.device(device) if device is not None else (
         torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
         else torch.device("cpu"))
@@ -85,31 +136,27 @@ def measure(device: torch.device | str | None = None, *, backend: str = "auto",
         tokens, backend = min(tokens, 1024), "reference"
     base = default_calibration(_device_name(device))
     gen = torch.Generator(device=device).manual_seed(0)
-
-    def run(L: int, T: int):
-        cu = torch.arange(0, T + 1, L, dtype=torch.int32)
-        q = torch.randn(T, heads, head_dim, device=device, dtype=dtype, generator=gen)
-        k = torch.randn(T, kv_heads, head_dim, device=device, dtype=dtype, generator=gen)
-        v = torch.randn_like(k)
-        q.requires_grad_(True)
-        cu_d = cu.to(device)
-
-        def step():
-            out = context_parallel_attention(q, k, v, cu_d, L, backend=backend)
-            out.backward(torch.ones_like(out))
-        return step, cu
-
-    keys, table = [], []
+    kernels = _kernels(device, backend, head_dim)
+    time_it = _timer(device, dtype, heads, kv_heads, head_dim, sync, iters, gen)
+    keys, tables = [], {b: [] for b in kernels}
     L = 2
     while L <= tokens:
-        step, cu = run(L, tokens)
-        t = _time(step, sync, iters)
         pairs = (tokens // L) * L * (L + 1) / 2
         keys.append((L + 1) / 2)
-        table.append(3.5 * 4 * pairs * heads * head_dim / t / 1e12)
+        for b in kernels:
+            t = time_it(L, tokens, b)
+            tables[b].append(3.5 * 4 * pairs * heads * head_dim / t / 1e12)
         L *= 4
-    step, _ = run(1, 1)
-    call_us = _time(step, sync, iters) * 1e6 / 2
+    crossover = {}
+    if kernels == ["cudnn", "fa4"]:
+        for d in crossover_dims:
+            timer = _timer(device, dtype, heads, kv_heads, d, sync, iters, gen)
+            lengths = [64 << i for i in range(max(1, (tokens // 64).bit_length()))]
+            lengths = [n for n in lengths if n <= tokens]
+            tc = [timer(n, tokens, "cudnn") for n in lengths]
+            tf = [timer(n, tokens, "fa4") for n in lengths]
+            crossover[int(d)] = crossover_from(lengths, tc, tf)
+    call_us = time_it(1, 1, kernels[0]) * 1e6 / 2
     x = torch.empty(64 << 20 if cuda else 1 << 20, dtype=torch.uint8, device=device)
     y = torch.empty_like(x)
     hbm = 2 * x.numel() / _time(lambda: y.copy_(x), sync, iters) / 1e9
@@ -117,16 +164,15 @@ def measure(device: torch.device | str | None = None, *, backend: str = "auto",
                                            "latency_us")}
     if group is not None and dist.get_world_size(group) > 1:
         links = _measure_links(group, device, sync, iters)
+    named = {b: tuple(t) for b, t in tables.items()}
     return Calibration(device_name=_device_name(device), torch_version=torch.__version__,
-                       block_keys=tuple(keys), tflops={"cudnn" if backend == "auto" else backend:
-                                                       tuple(table)},
-                       call_us=call_us, merge_bytes_per_row=base.merge_bytes_per_row,
-                       hbm_gbps=hbm, source=f"measured ({backend})", **links)
+                       block_keys=tuple(keys), tflops=named, call_us=call_us,
+                       merge_bytes_per_row=base.merge_bytes_per_row, hbm_gbps=hbm,
+                       crossover=crossover, fa4_version=_compat.fa4_version() or "",
+                       source=f"measured ({'+'.join(kernels)})", **links)
 
 
 def _measure_links(group, device, sync, iters) -> dict:
-    import torch.distributed as dist
-
     n, rank = dist.get_world_size(group), dist.get_rank(group)
     nbytes = 64 << 20
     buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
@@ -173,8 +219,6 @@ def main(argv=None) -> int:
     if os.path.isdir(args.out) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
         p.error(f"--out: cannot write {args.out!r} (a directory, or its folder {folder!r} is "
                 "missing or read-only); checked before measuring")
-    import torch.distributed as dist
-
     group = None
     if "RANK" in os.environ:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
@@ -187,7 +231,9 @@ def main(argv=None) -> int:
         print(f"wrote {args.out}: {cal.device_name}, torch {cal.torch_version}; "
               f"peak {max(next(iter(cal.tflops.values()))):.0f} TFLOP/s, "
               f"call {cal.call_us:.0f} us, HBM {cal.hbm_gbps:.0f} GB/s, "
-              f"p2p {cal.p2p_gbps:.0f} GB/s, all-to-all {cal.a2a_gbps:.0f} GB/s")
+              f"p2p {cal.p2p_gbps:.0f} GB/s, all-to-all {cal.a2a_gbps:.0f} GB/s"
+              + (f"; FA4 {cal.fa4_version} from (query rows per head_dim) {cal.crossover}"
+                 if cal.crossover else ""))
     if group is not None:
         dist.destroy_process_group()
     return 0

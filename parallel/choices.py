@@ -20,7 +20,7 @@ A2A_METHODS = ("ulysses", "hybrid")
 METHODS = ("ring", "allgather", *A2A_METHODS)
 """CP attention methods (:func:`cp_rope.parallel.context_parallel_attention`)."""
 
-BACKENDS = ("cudnn", "flash_attn", "torch_cudnn", "torch_flash", "reference")
+BACKENDS = ("cudnn", "fa4", "flash_attn", "torch_cudnn", "torch_flash", "reference")
 """Block backends, in the order ``"auto"`` tries them (:mod:`cp_rope.parallel._blocks`)."""
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)

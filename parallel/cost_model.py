@@ -48,6 +48,7 @@ import torch
 
 from cp_rope.validation import check_cp_args, check_int
 
+from . import _compat
 from ._calibration import Calibration, active_calibration
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
@@ -119,10 +120,30 @@ def _seg_time(cal: Calibration, backend: str, pairs: np.ndarray, lq: np.ndarray,
         tiles = nq * (nq + 1) / 2
     else:
         tiles = nq * np.ceil(lk[keep].astype(np.float64) / B)
-    tflops = cal.tflops_at(backend, pairs / lq)
+    calls = 1
+    if backend == "auto":  # get_backend's per-segment rule: FA4 from the crossover up
+        cross = _auto_crossover(cal, head_dim)
+        if cross is None:
+            tflops = cal.tflops_at("cudnn", pairs / lq)
+        else:
+            on_fa4 = lq >= cross
+            tflops = np.where(on_fa4, cal.tflops_at("fa4", pairs / lq),
+                              cal.tflops_at("cudnn", pairs / lq))
+            calls = 1 + int(on_fa4.any() and not on_fa4.all())
+    else:
+        tflops = cal.tflops_at(backend, pairs / lq)
     flops = _FWD_BWD * 4.0 * np.maximum(tiles * B * B, pairs) * heads * head_dim
-    return (float(np.sum(flops / (tflops * 1e12))) + cal.call_us * 1e-6
+    return (float(np.sum(flops / (tflops * 1e12))) + calls * cal.call_us * 1e-6
             + pairs.size * heads * cal.seg_ns * 1e-9)
+
+
+def _auto_crossover(cal: Calibration, head_dim: int) -> int | None:
+    """The crossover ``backend="auto"`` runs with (:func:`~cp_rope.parallel._blocks.get_backend`):
+    the calibration's for ``head_dim`` when it has an ``fa4`` table and FA4 is importable here
+    (the same install on every rank), else None (cuDNN alone)."""
+    if "fa4" not in cal.tflops or _compat.fa4_unavailable() is not None:
+        return None
+    return cal.crossover_at(head_dim)
 
 
 def _causal(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -236,7 +257,10 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
         cp_size, q_heads, kv_heads, head_dim, dtype: the layer's (dtype sets element bytes:
             2 for fp16/bf16; fp32 accumulators, fp64 for fp64 inputs).
         backend: the block backend's throughput table in the calibration (``"cudnn"``,
-            ``"torch_flash"``, ...; unknown names use ``"cudnn"``'s).
+            ``"fa4"``, ``"torch_flash"``, ...; unknown names use ``"cudnn"``'s); ``"auto"``:
+            per segment ``"fa4"``'s from the crossover of ``head_dim`` up, ``"cudnn"``'s below
+            (``get_backend``'s rule; cuDNN's alone when FA4 is not importable or the
+            calibration has no ``fa4`` table), one more call when a block uses both.
         calibration: constants (default :func:`~cp_rope.parallel.calibrate.default_calibration`).
         per_rank: also return the list of every rank's ms.
 

@@ -21,7 +21,7 @@ import weakref
 
 import pytest
 import torch
-from test_attention import naive_attention, naive_lse
+from attention_utils import naive_attention, naive_lse
 from utils import assert_close
 
 from cp_rope.parallel import CPAttentionPlan, _blocks, _compat, context_parallel_attention
@@ -149,6 +149,7 @@ def cuda_probes(monkeypatch):
     state = {"frontend": None, "cap": (9, 0)}
     monkeypatch.setattr(_compat, "cudnn_frontend_unavailable", lambda: state["frontend"])
     monkeypatch.setattr(_compat, "flash_attn_available", lambda: False)
+    monkeypatch.setattr(_compat, "fa4_unavailable", lambda: "flash-attn-4 absent (the probe)")
     monkeypatch.setattr(_compat, "torch_cudnn_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: state["cap"])
     return state

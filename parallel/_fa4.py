@@ -1,0 +1,185 @@
+"""The ``fa4`` block backend (FlashAttention-4) and ``auto``'s per-length dispatch between it
+and cuDNN.
+
+``fa4`` (:class:`Fa4`): one FA4 varlen call per block
+(:func:`~cp_rope.parallel._compat.fa4_varlen_fwd` / ``_bwd``). FA4 keeps no padded state (its
+LSE is ``[Hq, T]``, its grid ``(T + n_seg x tile) / tile x Hq`` tiles), so unlike cuDNN a block
+of very unequal documents needs no splitting. Its backward takes any output/LSE pair: the
+merged ones of a ring. Rows of a segment without keys are set to (0, -inf); keys of a segment
+without queries get dK = dV = 0 from the kernel.
+
+Compilation: FA4 JIT-compiles a kernel per *variant* (its ``compile_key``: dtype, head dims,
+GQA ratio, causal, window flags, tile sizes, arch, ..., and in the backward whether the
+problem has a single query / key tile, ``max_seqlen <= tile``). The values it reads on the
+host are kept in a bounded set: ``max_seqlen_q`` / ``max_seqlen_k`` are passed as
+:func:`bucket` (``64 x 2^k``, at least :data:`MIN_BUCKET` = 256, so never one tile), host
+ints from the plan, never tensors (a tensor would be read back: a sync). Batches of any
+composition then reuse the kernels compiled for the first (one forward and one backward per
+(dtype, head_dim, GQA ratio, causal)). No call reads a device tensor on the host.
+
+``auto`` on a GPU where both run (:class:`CudnnFa4`): each *segment* of a block goes to
+FA4 when its query rows are at least the crossover length of the head dim
+(:meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`, measured by ``python -m
+cp_rope.parallel.calibrate``), else to cuDNN. A block with both kinds runs as two sub-blocks
+over the same q/k/v (:func:`split_block`, on the host once per block): FA4's sees the short
+segments as a query segment without keys plus a key segment without queries (skipped), and
+cuDNN's sees the long ones so; FA4's output is the block's, the rows of cuDNN's segments are
+copied in (forward: out and LSE; backward: dq of its queries, dk/dv of its keys).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import _compat
+from ._cudnn_thd import CudnnTHD, seq_bound
+
+__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "MIN_BUCKET"]
+
+NEG_INF = float("-inf")
+MIN_BUCKET = 256
+"""Smallest max_seqlen passed to FA4: above its largest tile (128 rows on SM90), so the
+backward's single-tile specialisation never changes with the batch."""
+
+
+def bucket(n: int) -> int:
+    """The ``max_seqlen`` FA4 is called with for segments of up to ``n`` rows: ``64 x 2^k >=
+    n``, at least :data:`MIN_BUCKET` (an upper bound: the kernels read the true lengths from
+    ``cu_seqlens``)."""
+    return max(MIN_BUCKET, seq_bound(n))
+
+
+class Fa4:
+    """FlashAttention-4 per block: one varlen call (see the module docstring)."""
+
+    name = "fa4"
+    partials_in_input_dtype = True
+
+    @staticmethod
+    def prepare_lse(lse):
+        """The merged LSE ``[Hq, T]`` (float32: FA4 inputs are fp16/bf16) contiguous, as FA4's backward takes it."""
+        return lse.contiguous()
+
+    def forward(self, q, k, v, blk, scale: float):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return [], None
+        out, lse = _compat.fa4_varlen_fwd(q, k, v, blk.cu_q, blk.cu_k, bucket(blk.max_q),
+                                          bucket(blk.max_k), blk.causal, scale)
+        if blk.keyless_rows is not None:
+            out.index_fill_(0, blk.keyless_rows, 0.0)
+            lse.index_fill_(1, blk.keyless_rows, NEG_INF)
+        return [(0, out, lse)], None
+
+    def backward(self, dout, q, k, v, out, lse, blk, scale: float, aux):
+        if blk.max_q == 0 or blk.max_k == 0:
+            return []
+        dq, dk, dv = _compat.fa4_varlen_bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k,
+                                            bucket(blk.max_q), bucket(blk.max_k), blk.causal,
+                                            scale)
+        if blk.keyless_rows is not None:
+            dq.index_fill_(0, blk.keyless_rows, 0.0)
+        return [(0, dq, 0, dk, dv)]
+
+
+@dataclasses.dataclass(frozen=True)
+class SplitBlock:
+    """A block's two sub-blocks under the crossover (:func:`split_block`); ``fa4`` / ``cudnn``
+    None when no segment goes there. ``q_rows`` / ``k_rows``: int64 device rows of the cuDNN
+    sub-block's segments (copied into FA4's results)."""
+
+    fa4: object | None
+    cudnn: object | None
+    q_rows: torch.Tensor | None = None
+    k_rows: torch.Tensor | None = None
+
+
+def _rows(starts: torch.Tensor, lens: torch.Tensor) -> torch.Tensor:
+    """int64 rows ``starts[i] + [0, lens[i])`` concatenated (host)."""
+    first = torch.repeat_interleave(starts - (lens.cumsum(0) - lens), lens)
+    return first + torch.arange(int(lens.sum()))
+
+
+def _sub_block(blk, cq, ck, keep):
+    """``blk`` (host int64 bounds ``cq`` / ``ck``) with each segment ``i`` where ``keep[i]`` is
+    False turned into a query segment without keys and a key segment without queries (both
+    kernels skip those rows): segment ``i`` becomes ``(q_i, k_i if kept else none)`` and
+    ``(no query, none if kept else k_i)``."""
+    qa, qb, ka, kb = cq[:-1], cq[1:], ck[:-1], ck[1:]
+    k_mid = torch.where(keep, kb, ka)
+    cu_q = torch.cat([torch.stack([qa, qb], 1).flatten(), cq[-1:]]).to(torch.int32)
+    cu_k = torch.cat([torch.stack([ka, k_mid], 1).flatten(), ck[-1:]]).to(torch.int32)
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    dev = blk.cu_q.device
+    return dataclasses.replace(blk, cu_q=cu_q.to(dev), cu_k=cu_k.to(dev), max_q=int(lq.max()),
+                               max_k=int(lk.max()), split_q=False, cu_q_host=cu_q,
+                               cu_k_host=cu_k)
+
+
+def split_block(blk, crossover: int) -> SplitBlock:
+    """The block's segments by the rule of ``auto`` (the module docstring): a segment with
+    queries and keys runs on FA4 when its query rows are ``>= crossover``, else on cuDNN;
+    segments without queries or keys go with FA4 (its kernels leave them (0, -inf) / dK = 0).
+    Host work on the block's host bounds (read from the device only when it has none),
+    kept on the block per crossover and device."""
+    key = ("fa4_split", crossover, str(blk.cu_q.device))
+    got = blk.backend_cache.get(key)
+    if got is not None:
+        return got
+    cq = (blk.cu_q_host if blk.cu_q_host is not None else blk.cu_q.cpu()).to(torch.int64)
+    ck = (blk.cu_k_host if blk.cu_k_host is not None else blk.cu_k.cpu()).to(torch.int64)
+    lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
+    real = (lq > 0) & (lk > 0)
+    short = real & (lq < crossover)
+    if not bool(short.any()):
+        got = SplitBlock(blk, None)
+    elif bool((short == real).all()):
+        got = SplitBlock(None, blk)
+    else:
+        dev = blk.cu_q.device
+        got = SplitBlock(_sub_block(blk, cq, ck, ~short), _sub_block(blk, cq, ck, short),
+                         _rows(cq[:-1][short], lq[short]).to(dev),
+                         _rows(ck[:-1][short], lk[short]).to(dev))
+    blk.backend_cache[key] = got
+    return got
+
+
+class CudnnFa4(CudnnTHD):
+    """``auto`` with both kernels: each segment on FA4 or cuDNN by ``crossover`` (query rows;
+    :func:`split_block`). A block whose segments all go one way runs as that backend alone
+    (cuDNN's own length grouping and dense calls included)."""
+
+    name = "cudnn+fa4"
+
+    def __init__(self, crossover: int):
+        self.crossover = int(crossover)
+        self._fa4 = Fa4()
+
+    def forward(self, q, k, v, blk, scale: float):
+        sp = split_block(blk, self.crossover)
+        if sp.cudnn is None:
+            return self._fa4.forward(q, k, v, blk, scale)
+        if sp.fa4 is None:
+            return super().forward(q, k, v, blk, scale)
+        [(_, out, lse)], _ = self._fa4.forward(q, k, v, sp.fa4, scale)
+        [(_, o, st)], _ = super().forward(q, k, v, sp.cudnn, scale)
+        out.index_copy_(0, sp.q_rows, o.index_select(0, sp.q_rows))
+        lse.index_copy_(1, sp.q_rows, st.index_select(1, sp.q_rows))
+        return [(0, out, lse)], None
+
+    def backward(self, dout, q, k, v, out, lse, blk, scale: float, aux):
+        sp = split_block(blk, self.crossover)
+        padded = lse if hasattr(lse, "flat") else CudnnTHD.prepare_lse(lse)
+        if sp.fa4 is None:
+            return super().backward(dout, q, k, v, out, padded, blk, scale, aux)
+        flat = padded.flat()
+        if sp.cudnn is None:
+            return self._fa4.backward(dout, q, k, v, out, flat, blk, scale, aux)
+        [(_, dq, _, dk, dv)] = self._fa4.backward(dout, q, k, v, out, flat, sp.fa4, scale, None)
+        [(_, gq, _, gk, gv)] = super().backward(dout, q, k, v, out, padded, sp.cudnn, scale,
+                                                None)
+        dq.index_copy_(0, sp.q_rows, gq.index_select(0, sp.q_rows))
+        dk.index_copy_(0, sp.k_rows, gk.index_select(0, sp.k_rows))
+        dv.index_copy_(0, sp.k_rows, gv.index_select(0, sp.k_rows))
+        return [(0, dq, 0, dk, dv)]

@@ -1,0 +1,78 @@
+"""Fake FlashAttention-4 kernels for the CPU tests of the ``fa4`` backend and ``auto``'s
+per-length dispatch (tests/test_fa4.py).
+
+They keep FA4's conventions, strictly: ``max_seqlen`` host ints that are bounds of every
+segment and bucketed (FA4 compiles per variant; a tensor or an unbucketed bound would mean
+a sync or recompilation), LSE ``[Hq, T]`` contiguous (float32, float64 for float64 inputs so
+the glue can be checked exactly), NaN in every row FA4 need not write: rows past
+``cu_q[-1]`` / ``cu_k[-1]`` and the rows of segments without keys (the backend sets those to
+(0, -inf)). Keys of segments without queries get dK = dV = 0 (flash_bwd_sm90.py writes
+zeros for a key tile without query tiles). The math is the float64 reference backend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from cp_rope.parallel._blocks import Block, _Reference
+from cp_rope.parallel._fa4 import MIN_BUCKET
+
+
+def zero_outside(x, cu):
+    """x with its rows outside [cu[0], cu[-1]) zeroed: buffers (the cuDNN glue's compact ones)
+    may hold garbage there, which a kernel never reads but the fakes' dense float64 math would
+    mix into other rows (0 x NaN)."""
+    x = x.clone()
+    x[:int(cu[0])], x[int(cu[-1]):] = 0.0, 0.0
+    return x
+
+
+CALLS: list[tuple[str, int, int]] = []
+"""(``fwd`` / ``bwd``, max_q, max_k) of every fake call since the last clear."""
+
+
+def _check(q, cu_q, cu_k, max_q, max_k):
+    assert type(max_q) is int and type(max_k) is int, (type(max_q), type(max_k))
+    assert cu_q.dtype == torch.int32 and cu_k.dtype == torch.int32
+    assert cu_q.device == q.device and cu_q.numel() == cu_k.numel()
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    assert bool((lq >= 0).all()) and bool((lk >= 0).all())
+    assert int(lq.max()) <= max_q and int(lk.max()) <= max_k, (max_q, max_k)
+    for m in (max_q, max_k):  # bucketed: 64 x 2^k, at least MIN_BUCKET
+        assert m >= MIN_BUCKET and m % 64 == 0 and (m // 64) & (m // 64 - 1) == 0, m
+
+
+def fake_fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(None, None),
+                 sink=None):
+    assert window == (None, None) and sink is None
+    _check(q, cu_q, cu_k, max_q, max_k)
+    CALLS.append(("fwd", max_q, max_k))
+    q, k, v = zero_outside(q, cu_q), zero_outside(k, cu_k), zero_outside(v, cu_k)
+    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal),
+                                             scale)
+    lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
+        out[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
+        lse[:, int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
+    out[int(cu_q[-1]):], lse[:, int(cu_q[-1]):] = float("nan"), float("nan")
+    return out.to(q.dtype), lse
+
+
+def fake_fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
+                 window=(None, None), sink=None):
+    assert window == (None, None) and sink is None
+    _check(q, cu_q, cu_k, max_q, max_k)
+    assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
+    assert out.dtype == q.dtype and dout.shape == q.shape
+    CALLS.append(("bwd", max_q, max_k))
+    dout, q, out = (zero_outside(x, cu_q) for x in (dout, q, out))
+    k, v = zero_outside(k, cu_k), zero_outside(v, cu_k)
+    lse = zero_outside(lse.t(), cu_q).t()
+    blk = Block(cu_q, cu_k, max_q, max_k, causal)
+    [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
+    dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
+    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
+        dq[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

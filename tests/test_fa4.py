@@ -1,0 +1,329 @@
+"""The ``fa4`` block backend and ``auto``'s per-length dispatch (parallel/_fa4.py), on the CPU.
+
+The glue runs over fake kernels (tests/fa4_utils.py for FA4, tests/test_attention.py's for
+cuDNN: both write NaN wherever their kernel need not write) in float64 and is compared with
+the float64 oracle (cp 1) and with the reference backend on the same plans (simulated ranks
+of cp 2: ring and all-gather blocks, skipped keys, keyless queries). Then the rule: the
+split of a block by the crossover, get_backend's choice, the cost model's per-segment table,
+the calibration's crossover table (measurement rule, file round trip, refusal of a file from
+another FA4 version), and the trainers' refusal of ``--attn-backend fa4`` where it cannot run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+import fa4_utils
+import numpy as np
+import pytest
+import torch
+from attention_utils import (
+    F64_EXACT,
+    fake_cudnn_dense_bwd,
+    fake_cudnn_dense_fwd,
+    fake_cudnn_thd_bwd,
+    fake_cudnn_thd_fwd,
+    naive_attention,
+    naive_lse,
+)
+from fa4_utils import fake_fa4_bwd, fake_fa4_fwd, zero_outside
+from utils import assert_close
+
+from cp_rope.parallel import (
+    CPAttentionPlan,
+    _blocks,
+    _compat,
+    calibrate,
+    context_parallel_attention,
+    cost_model,
+)
+from cp_rope.parallel._cudnn_thd import CudnnTHD
+from cp_rope.parallel._fa4 import MIN_BUCKET, CudnnFa4, Fa4, bucket, split_block
+
+CUDNN_CALLS = []
+
+
+def _cudnn_fwd(q, k, v, cu_q, cu_k, *rest):
+    CUDNN_CALLS.append("fwd")
+    q, k, v = zero_outside(q, cu_q), zero_outside(k, cu_k), zero_outside(v, cu_k)
+    return fake_cudnn_thd_fwd(q, k, v, cu_q, cu_k, *rest)
+
+
+def _cudnn_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, *rest):
+    CUDNN_CALLS.append("bwd")
+    dout, q, out = (zero_outside(x, cu_q) for x in (dout, q, out))
+    k, v = zero_outside(k, cu_k), zero_outside(v, cu_k)
+    return fake_cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, *rest)
+
+
+@pytest.fixture
+def fakes(monkeypatch):
+    """Backends on the CPU over the fake kernels: ``fakes["auto"] = crossover`` selects
+    CudnnFa4(crossover) for backend "auto"; "fa4" and "cudnn" are the real glue."""
+    from cp_rope.parallel import attention as att
+
+    monkeypatch.setattr(_compat, "fa4_varlen_fwd", fake_fa4_fwd)
+    monkeypatch.setattr(_compat, "fa4_varlen_bwd", fake_fa4_bwd)
+    monkeypatch.setattr(_compat, "cudnn_thd_fwd", _cudnn_fwd)
+    monkeypatch.setattr(_compat, "cudnn_thd_bwd", _cudnn_bwd)
+    monkeypatch.setattr(_compat, "cudnn_dense_fwd", fake_cudnn_dense_fwd)
+    monkeypatch.setattr(_compat, "cudnn_dense_bwd", fake_cudnn_dense_bwd)
+    state = {"auto": 64}
+    real = _blocks.get_backend
+    made = {"fa4": Fa4, "cudnn": CudnnTHD, "auto": lambda: CudnnFa4(state["auto"])}
+    monkeypatch.setattr(att, "get_backend",
+                        lambda name, q, n, **kw: made[name]() if name in made else real(name, q, n,
+                                                                                        **kw))
+    fa4_utils.CALLS.clear()
+    CUDNN_CALLS.clear()
+    return state
+
+
+def _cu(lengths):
+    return torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                        dtype=torch.int32)
+
+
+def _run(q, k, v, dout, **kw):
+    qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
+    out, lse = context_parallel_attention(qx, kx, vx, return_lse=True, **kw)
+    out.backward(dout)
+    return out.detach(), lse, qx.grad, kx.grad, vx.grad
+
+
+LAYOUTS = {  # edge layouts: zero-length, one-token and odd-length documents; skewed batches
+    "edges": [0, 1, 7, 300, 0, 33, 129, 2, 1],
+    "one long": [517],
+    "long first": [300] + [3] * 40,
+    "long in the middle": [2] * 20 + [260] + [2] * 20 + [0] + [130] + [1] * 20,
+}
+
+
+@pytest.mark.parametrize("backend", ["fa4", "auto"])
+@pytest.mark.parametrize("name", list(LAYOUTS))
+@pytest.mark.parametrize("causal", [True, False])
+def test_cp1_matches_oracle(fakes, backend, name, causal):
+    """fa4 alone and auto (FA4 from 64 query rows, cuDNN below) against the float64 oracle,
+    GQA 4:1, trailing rows that belong to no document."""
+    lens = LAYOUTS[name]
+    gen = torch.Generator().manual_seed(len(lens) + causal)
+    cu = _cu(lens)
+    n = int(cu[-1]) + 3
+    q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                     for h in (4, 1, 1, 4))
+    kw = {} if causal else {"causal": False, "seq_lens": torch.tensor(lens)}
+    got = _run(q, k, v, dout, cu_seqlens=cu, max_seqlen=max(lens), backend=backend, **kw)
+    ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = naive_attention(*ref_in, cu, causal, 8 ** -0.5, kw.get("seq_lens"))
+    grads = torch.autograd.grad(ref, ref_in, dout)
+    exp = (ref.detach(), naive_lse(q, k, cu, causal, 8 ** -0.5, kw.get("seq_lens")), *grads)
+    for nm, a, b in zip(("out", "lse", "dq", "dk", "dv"), got, exp, strict=True):
+        assert_close(a, b, **F64_EXACT, name=f"{backend} {name} causal={causal} {nm}")
+    assert fa4_utils.CALLS, "FA4 was never called"
+    mixed = backend == "auto" and any(0 < x < 64 for x in lens) and max(lens) >= 64
+    assert not mixed or CUDNN_CALLS, "auto ran no short document on cuDNN"
+
+
+def _plan(local_cu, cp_size, rank, method, **kw):
+    max_local = max(int((local_cu[1:] - local_cu[:-1]).max()), 1)
+    return CPAttentionPlan.simulated(local_cu, max_local, cp_size=cp_size, cp_rank=rank,
+                                     q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float64,
+                                     device="cpu", method=method, **kw)
+
+
+@pytest.mark.parametrize("method,causal", [("ring", True), ("allgather", True),
+                                           ("ring", False)])
+def test_simulated_ranks_match_reference(fakes, method, causal):
+    """Each rank of cp 2 (its blocks run in turn, the partials merged): fa4 and auto equal
+    the reference backend on the same plan and inputs, exactly in float64."""
+    lens = [4] * 20 + [260 * 2] + [4] * 20 + [0] + [150 * 2] + [16] * 10 + [4]
+    local = _cu([n // 2 for n in lens])
+    kw = {} if causal else {"causal": False, "seq_lens": torch.tensor(lens)}
+    fakes["auto"] = 128
+    for r in range(2):
+        gen = torch.Generator().manual_seed(r)
+        n = int(local[-1])
+        q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                         for h in (4, 2, 2, 4))
+        res = {b: _run(q, k, v, dout, plan=_plan(local, 2, r, method, backend=b, **kw))
+               for b in ("fa4", "auto", "reference")}
+        for b in ("fa4", "auto"):
+            for nm, x, y in zip(("out", "lse", "dq", "dk", "dv"), res[b], res["reference"],
+                                strict=True):
+                assert_close(x, y, **F64_EXACT, name=f"{b} cp2 {method} rank {r} {nm}")
+    assert fa4_utils.CALLS and CUDNN_CALLS
+
+
+def test_bucket_is_a_small_stable_set():
+    """max_seqlen as FA4 sees it: a bound, >= MIN_BUCKET (never one tile), 64 x 2^k: at most
+    log2(T / 256) + 1 values for any batch (FA4 compiles per variant)."""
+    seen = set()
+    for n in range(0, 70000, 7):
+        b = bucket(n)
+        assert b >= max(n, MIN_BUCKET) and (b == MIN_BUCKET or b < 2 * n)
+        seen.add(b)
+    assert seen == {256 << i for i in range(10)}, sorted(seen)
+
+
+def _rows_of(cu, mask):
+    return {r for i in np.flatnonzero(mask) for r in range(int(cu[i]), int(cu[i + 1]))}
+
+
+def test_split_block_partitions_segments():
+    """Random blocks (keyless queries, skipped keys, short and long documents): FA4's
+    sub-block keeps exactly the segments of >= crossover query rows (and those without
+    queries or keys), cuDNN's exactly the shorter ones; q_rows / k_rows are their rows."""
+    rng = random.Random(0)
+    for _ in range(40):
+        n = rng.randrange(1, 30)
+        lq = [rng.choice([0, 1, 3, 40, 64, 65, 200]) for _ in range(n)]
+        lk = [x if rng.random() < 0.7 else rng.choice([0, 5, 90]) for x in lq]
+        cq, ck = _cu(lq), _cu(lk)
+        blk = _blocks.Block(cq, ck, max(lq), max(lk), False, cu_q_host=cq, cu_k_host=ck)
+        sp = split_block(blk, 64)
+        assert split_block(blk, 64) is sp  # kept on the block
+        lq_t, lk_t = torch.tensor(lq), torch.tensor(lk)
+        real = (lq_t > 0) & (lk_t > 0)
+        short = real & (lq_t < 64)
+        for sub, kept in ((sp.fa4, real & ~short), (sp.cudnn, short)):
+            if sub is None:
+                assert not bool(kept.any()) or (sub is sp.fa4 and not bool(short.any()))
+                continue
+            sq = sub.cu_q_host[1:] - sub.cu_q_host[:-1]
+            sk = sub.cu_k_host[1:] - sub.cu_k_host[:-1]
+            both = (sq > 0) & (sk > 0)
+            assert _rows_of(sub.cu_q_host, both) == _rows_of(cq, kept)
+            assert _rows_of(sub.cu_k_host, both) == _rows_of(ck, kept)
+            assert int(sub.cu_q_host[-1]) == int(cq[-1]) and int(sub.cu_k_host[-1]) == int(ck[-1])
+        if sp.fa4 is not None and sp.cudnn is not None:
+            assert set(sp.q_rows.tolist()) == _rows_of(cq, short)
+            assert set(sp.k_rows.tolist()) == _rows_of(ck, short)
+
+
+def test_get_backend_auto_rule(monkeypatch):
+    """auto: cuDNN + FA4 by the active calibration's crossover where both run; the one that
+    runs otherwise (FA4 beyond cuDNN's head_dim 128); an explicit fa4 that cannot run raises
+    naming it and the reason."""
+    from cp_rope.parallel._calibration import default_calibration, use_calibration
+
+    runs = {"cudnn", "fa4", "reference"}
+
+    def unsupported(b, q, n):
+        if b == "cudnn" and q.shape[-1] > 128:
+            return "head_dim"
+        return None if b in runs else "no"
+    monkeypatch.setattr(_blocks, "_unsupported", unsupported)
+    use_calibration(None)
+    for d, cross in ((64, 2048), (128, 4096), (96, 4096)):
+        be = _blocks.get_backend("auto", torch.zeros(4, 2, d), 3)
+        assert isinstance(be, CudnnFa4) and be.crossover == cross == \
+            default_calibration().crossover_at(d), (d, be.crossover)
+    assert isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 192), 3), Fa4)
+    runs.discard("fa4")
+    assert isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 64), 3), CudnnTHD)
+    assert not isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 64), 3), CudnnFa4)
+    with pytest.raises(ValueError, match="backend='fa4' no"):
+        _blocks.get_backend("fa4", torch.zeros(4, 2, 64), 3)
+
+
+def test_backend_unavailable_names_the_install_command(monkeypatch):
+    monkeypatch.setattr(_compat, "_fa4", lambda: (None, "needs flash-attn-4, which is not "
+                                                  "importable (ModuleNotFoundError)"))
+    why = _blocks.backend_unavailable("fa4", device="cuda", dtype=torch.bfloat16, head_dim=64)
+    assert "flash-attn-4" in why and 'pip install "cp-rope[fa4]"' in why
+    for kw, text in (({"device": "cpu"}, "needs CUDA"),
+                     ({"device": "cuda", "dtype": torch.float32}, "float16/bfloat16")):
+        args = {"dtype": torch.bfloat16, "head_dim": 64, **kw}
+        assert text in _blocks.backend_unavailable("fa4", **args)
+    assert _blocks._fa4_head_dim(9, 256) is None and _blocks._fa4_head_dim(9, 72) is None
+    assert "8-256" in _blocks._fa4_head_dim(9, 264) and "8-256" in _blocks._fa4_head_dim(9, 4)
+    assert "8-128 or 256" in _blocks._fa4_head_dim(10, 192)
+
+
+def test_fa2_is_told_apart_from_fa4(monkeypatch):
+    """A flash_attn namespace without flash-attn 2's extension (FA4's flash_attn/cute alone)
+    is not the flash_attn backend."""
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "flash_attn_2_cuda" else real(name, *a))
+    _compat._flash_attn_interface.cache_clear()
+    try:
+        assert not _compat.flash_attn_available()
+    finally:
+        _compat._flash_attn_interface.cache_clear()
+
+
+def test_cost_model_auto_uses_the_crossover(monkeypatch):
+    """predict(backend="auto"): per segment fa4's table from the crossover up, cudnn's below;
+    cudnn's alone when FA4 is not importable."""
+    from cp_rope.parallel._calibration import default_calibration
+
+    cal = default_calibration()
+    kw = dict(cp_size=1, q_heads=32, kv_heads=8, head_dim=64, calibration=cal)
+    s = cost_model.Setting("zigzag", None, "ring")
+    long, short = [0, 32768], [0, *range(256, 256 * 65, 256)]
+    monkeypatch.setattr(_compat, "fa4_unavailable", lambda: None)
+    pred = {b: {name: cost_model.predict(cu, s, backend=b, **kw)
+                for name, cu in (("long", long), ("short", short))}
+            for b in ("auto", "cudnn", "fa4")}
+    assert pred["auto"]["long"] == pred["fa4"]["long"] < pred["cudnn"]["long"]
+    assert pred["auto"]["short"] == pred["cudnn"]["short"] < pred["fa4"]["short"]
+    both = [0, 32768, *range(32768 + 256, 32768 + 256 * 65, 256)]
+    mixed = cost_model.predict(both, s, backend="auto", **kw)
+    t_long = cost_model.predict(long, s, backend="fa4", **kw)
+    t_short = cost_model.predict(short, s, backend="cudnn", **kw)
+    seg = 65 * 32 * cal.seg_ns * 1e-6 - 64 * 32 * cal.seg_ns * 1e-6 - 32 * cal.seg_ns * 1e-6
+    assert mixed == pytest.approx(t_long + t_short + seg, rel=1e-9)
+    monkeypatch.setattr(_compat, "fa4_unavailable", lambda: "absent")
+    assert cost_model.predict(long, s, backend="auto", **kw) == pred["cudnn"]["long"]
+
+
+def test_crossover_measurement_rule():
+    L = [64, 128, 256, 512, 1024]
+    assert calibrate.crossover_from(L, [1, 2, 3, 4, 5], [2, 2, 3.5, 3.9, 4.9]) == 512
+    assert calibrate.crossover_from(L, [1, 2, 3, 4, 5], [1, 1, 1, 1, 1]) == 64
+    assert calibrate.crossover_from(L, [1, 2, 3, 4, 5], [1, 1, 1, 1, 6]) == calibrate.NEVER
+    assert calibrate.crossover_from(L, [1, 2, 3, 4, 5], [0.5, 3, 1, 1, 1]) == 256
+
+
+def test_calibration_file_keeps_and_checks_the_crossover(tmp_path, monkeypatch):
+    from cp_rope.parallel._calibration import (
+        CalibrationError,
+        default_calibration,
+        load_calibration,
+        save_calibration,
+    )
+
+    cal = default_calibration("cpu")
+    path = str(tmp_path / "cal.json")
+    save_calibration(cal, path)
+    monkeypatch.setattr(_compat, "fa4_version", lambda: "4.0.0b36")
+    got = load_calibration(path, "cpu")
+    assert got.crossover == {64: 2048, 128: 4096} and got.fa4_version == "4.0.0b36"
+    assert got.crossover_at(80) == 2048 and got.crossover_at(256) == 4096
+    monkeypatch.setattr(_compat, "fa4_version", lambda: "4.0.0b40")
+    with pytest.raises(CalibrationError, match="cal.json.*flash-attn-4 4.0.0b36.*4.0.0b40"):
+        load_calibration(path, "cpu")
+    monkeypatch.setattr(_compat, "fa4_version", lambda: None)  # FA4 absent: table unused
+    assert load_calibration(path, "cpu").crossover_at(64) == 2048
+    raw = json.load(open(path))
+    del raw["crossover"], raw["fa4_version"]  # a file from before FA4
+    json.dump(raw, open(path, "w"))
+    assert load_calibration(path, "cpu").crossover_at(64) is None
+    raw["crossover"] = {"64": -1}
+    json.dump(raw, open(path, "w"))
+    with pytest.raises(CalibrationError, match="crossover"):
+        load_calibration(path, "cpu")
+
+
+def test_trainer_refuses_fa4_on_cpu():
+    from cp_rope.launch.config import ConfigError, preset, validate
+
+    cfg = preset("tiny")
+    cfg.parallel.attn_backend = "fa4"
+    cfg.train.device = "cpu"
+    with pytest.raises(ConfigError, match=r"^parallel.attn_backend='fa4': needs CUDA"):
+        validate(cfg, 1)
