@@ -220,10 +220,15 @@ def _cp2_body(rank: int, world: int, dirs: dict, refs: dict) -> None:
     assert got["ran"] == [4, 5], f"the resumed run ran steps {got['ran']}"
     if rank == 0:
         assert_same_run(got, refs["sft_qwen3"], "cp2 resume", steps=[4, 5])
-    # ranks called with different arguments: every rank raises, none waits
-    with pytest.raises((ValueError, RuntimeError), match="different arguments"):
+    # ranks called with different arguments or seeds: every rank raises, none waits
+    for kw in ({"prepare_kwargs": {"method": "ring" if rank == 0 else "allgather"}},
+               {"args_over": {"data_seed": rank}}):
+        with pytest.raises(ValueError, match="different arguments"):
+            run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2, **kw)
+    # the sampler seeded per rank after prepare: the CP ranks' batches differ at step 1
+    with pytest.raises(RuntimeError, match="drew different batches at step 1"):
         run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2,
-            prepare_kwargs={"method": "ring" if rank == 0 else "allgather"})
+            before_train=lambda trainer: torch.manual_seed(100 + rank))
 
 
 def test_parity_cp2(dirs, refs):
