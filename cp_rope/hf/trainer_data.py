@@ -25,10 +25,9 @@ row apart, nor the positions the model would give left-padded tokens.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
-
-import zlib
 
 import numpy as np
 import torch
