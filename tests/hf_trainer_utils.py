@@ -65,7 +65,7 @@ def write_jsonl(path: str, docs: list[list[int]]) -> str:
 def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = None,
         grad_accum: int = 1, steps: int = 5, save_steps: int | None = None,
         resume: str | None = None, prepare_kwargs: dict | None = None,
-        args_over: dict | None = None) -> dict:
+        args_over: dict | None = None, eval_docs=None, before_train=None) -> dict:
     """Train ``steps`` optimizer steps and return ``{"loss": [...], "grad_norm": [...],
     "step": [...], "ran": [...], "state": {name: tensor}}`` (the logged values per step, the
     steps this call ran, the final weights).
@@ -90,12 +90,13 @@ def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = 
                   lr_scheduler_type="linear", warmup_steps=1, bf16=False,
                   gradient_checkpointing=False) | (args_over or {})
     ds = datasets.Dataset.from_dict({"input_ids": docs})
+    ev = None if eval_docs is None else datasets.Dataset.from_dict({"input_ids": eval_docs})
     if kind == "sft":
         import trl
 
         args = trl.SFTConfig(packing=True, max_length=48, per_device_train_batch_size=1,
                              dataset_num_proc=None, **common)
-        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds,
+        trainer = trl.SFTTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ev,
                                  processing_class=tokenizer())
     else:
         args = transformers.TrainingArguments(per_device_train_batch_size=4, **common)
@@ -108,9 +109,12 @@ def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = 
     ran = []
     trainer.add_callback(type("Count", (transformers.TrainerCallback,), {
         "on_step_end": lambda self, args, state, control, **kw: ran.append(state.global_step)}))
+    if before_train is not None:
+        before_train(trainer)
     trainer.train(resume_from_checkpoint=resume)
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
-    return {"loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
+    extra = {} if ev is None else {"eval_loss": trainer.evaluate()["eval_loss"]}
+    return extra | {"loss": [e["loss"] for e in logs], "grad_norm": [e["grad_norm"] for e in logs],
             "step": [e["step"] for e in logs], "ran": ran,
             "state": {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}}
 
@@ -124,12 +128,18 @@ def assert_same_run(got: dict, want: dict, what: str, steps=None, rtol: float = 
     if "step" not in got:  # the example script's report: every step logged
         got, want = dict(got, step=list(range(1, len(got["loss"]) + 1))), dict(
             want, step=list(range(1, len(want["loss"]) + 1)))
-    pick = (lambda r, k: r[k]) if steps is None else (
-        lambda r, k: [v for v, s in zip(r[k], r["step"], strict=True) if s in steps])
+
+    def pick(r, k):
+        if steps is None or k == "eval_loss":
+            return r[k]
+        return [v for v, s in zip(r[k], r["step"], strict=True) if s in steps]
+
     assert (got["step"] if steps is None else steps) == (
         want["step"] if steps is None else [s for s in want["step"] if s in steps]), (
         f"{what}: logged steps {got['step']} vs {want['step']}")
-    for key in ("loss", "grad_norm"):
+    for key in ("loss", "grad_norm", "eval_loss"):
+        if key == "eval_loss" and key not in got:  # asked of some runs only
+            continue
         a, b = torch.tensor(pick(got, key)), torch.tensor(pick(want, key))
         assert a.shape == b.shape, f"{what}: {key} {a.tolist()} vs {b.tolist()}"
         err = ((a - b).abs() / b.abs()).max().item()

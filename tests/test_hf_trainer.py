@@ -35,6 +35,7 @@ from cp_rope.hf.trainer_data import documents_of
 trl = pytest.importorskip("trl")  # the `trl` extra (scripts/setup.sh installs it for CI)
 transformers = H.transformers
 DOCS = documents(1, 60)
+EVAL = documents(2, 12)
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +55,7 @@ def refs(dirs):
     """Single-process runs without cp_rope (the pytest process: no process group)."""
     root = dirs["root"]
     return {
-        "sft_qwen3": run("sft", dirs["qwen3"], DOCS, str(root / "ref_sq")),
+        "sft_qwen3": run("sft", dirs["qwen3"], DOCS, str(root / "ref_sq"), eval_docs=EVAL),
         "sft_llama": run("sft", dirs["llama"], DOCS, str(root / "ref_sl")),
         "plain_qwen3": run("plain", dirs["qwen3"], DOCS, str(root / "ref_pq")),
         "sft_llama_ga2": run("sft", dirs["llama"], DOCS, str(root / "ref_sl2"), grad_accum=2),
@@ -185,11 +186,16 @@ def _cp2_body(rank: int, world: int, dirs: dict, refs: dict) -> None:
     root = dirs["root"]
     cases = [("sft", "qwen3", {}), ("sft", "llama", {}), ("plain", "qwen3", {}),
              ("sft", "qwen3", {"placement": "per_document", "split_threshold": 16})]
-    for kind, fam, kw in cases:
+    for kind, fam, kw in cases:  # the first with evaluate(): its loss is the reference's too
         got = run(kind, dirs[fam], DOCS, str(root / f"cp2_{kind}_{fam}_{len(kw)}"), cp_size=2,
-                  prepare_kwargs=kw)
+                  prepare_kwargs=kw, eval_docs=EVAL if (kind, fam, kw) == cases[0] else None)
+        assert ("eval_loss" in got) == ((kind, fam, kw) == cases[0])
         if rank == 0:
             assert_same_run(got, refs[f"{kind}_{fam}"], f"cp2 {kind} {fam} {kw}")
+    # gradient accumulation: each micro-batch weighted by its share of the step's labels
+    got = run("sft", dirs["llama"], DOCS, str(root / "cp2_ga2"), cp_size=2, grad_accum=2)
+    if rank == 0:
+        assert_same_run(got, refs["sft_llama_ga2"], "cp2 grad_accum 2")
     # transformers' gradient checkpointing (TRL's default) recomputes the patched layers
     got = run("sft", dirs["qwen3"], DOCS, str(root / "cp2_gc"), cp_size=2,
               args_over={"gradient_checkpointing": True})
@@ -208,14 +214,21 @@ def _cp2_body(rank: int, world: int, dirs: dict, refs: dict) -> None:
     # checkpoint at step 3, then a fresh trainer resumes from it: steps 4 and 5 as uninterrupted
     out = str(root / "cp2_resume")
     run("sft", dirs["qwen3"], DOCS, out, cp_size=2, save_steps=3)
+    with open(f"{out}/checkpoint-3/config.json") as f:  # loads into an unpatched model
+        assert "cp_rope" not in f.read()
     got = run("sft", dirs["qwen3"], DOCS, out, cp_size=2, resume=f"{out}/checkpoint-3")
     assert got["ran"] == [4, 5], f"the resumed run ran steps {got['ran']}"
     if rank == 0:
         assert_same_run(got, refs["sft_qwen3"], "cp2 resume", steps=[4, 5])
-    # ranks called with different arguments: every rank raises, none waits
-    with pytest.raises((ValueError, RuntimeError), match="different arguments"):
+    # ranks called with different arguments or seeds: every rank raises, none waits
+    for kw in ({"prepare_kwargs": {"method": "ring" if rank == 0 else "allgather"}},
+               {"args_over": {"data_seed": rank}}):
+        with pytest.raises(ValueError, match="different arguments"):
+            run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2, **kw)
+    # the sampler seeded per rank after prepare: the CP ranks' batches differ at step 1
+    with pytest.raises(RuntimeError, match="drew different batches at step 1"):
         run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2,
-            prepare_kwargs={"method": "ring" if rank == 0 else "allgather"})
+            before_train=lambda trainer: torch.manual_seed(100 + rank))
 
 
 def test_parity_cp2(dirs, refs):
