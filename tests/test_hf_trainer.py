@@ -160,6 +160,15 @@ def test_prepare_bad_input(dirs, tmp_path):
                                  data_collator=transformers.DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="model: model_type 'gpt2' is not supported"):
         H.prepare(other, cp_size=1)
+    # a mixture-of-experts model whose router loss prepare's loss would leave out
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        vocab_size=97, output_router_logits=True, router_aux_loss_coef=0.01))
+    other = transformers.Trainer(model=moe, args=args, train_dataset=ds,
+                                 data_collator=transformers.DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
+        H.prepare(other, cp_size=1)
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")
     H.prepare(sft, cp_size=1)
