@@ -56,6 +56,13 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 try:
     from cp_rope.hf import load_causal_lm, local_config, patch_model
+    from cp_rope.hf.moe import (
+        MoESpec,
+        load_balancing_loss,
+        router_loss_spec,
+        router_token_mask,
+        with_extra_gradient,
+    )
     from cp_rope.hf.norms import LOW_PRECISION
 except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
     if __name__ == "__main__":
@@ -119,6 +126,8 @@ class HFConfig:
     """Recompute each decoder layer's activations in backward: none; full (keep the layer input); selective (also keep the attention output and its LSE; norms, projections and the MLP are recomputed). A bare --activation-checkpointing means full (cp_rope.launch.offload; transformers' own gradient checkpointing is not used)."""
     offload_activations: bool = False
     """Keep what each decoder layer saves for backward in pinned host memory (side-stream copies, prefetched one layer ahead)."""
+    router_aux_loss: Literal["config", "on", "off"] = "config"
+    """Mixture-of-experts models' router load-balancing loss (computed from the router statistics of the whole CP group's batch, packing pads excluded; logged as aux_loss; the gradient is that of loss + router_aux_loss_coef * aux_loss): config = as config.json says (output_router_logits with router_aux_loss_coef; a coefficient > 0 with output_router_logits false is an error, nothing is dropped silently); on = with the config's coefficient; off = without. Dense models: config or off."""
     memory: Literal["manual", "auto"] = "manual"
     """auto: the cheapest --activation-checkpointing / --offload-activations that fit the GPU (cp_rope.launch.plan_memory); manual: as given."""
 
@@ -180,9 +189,11 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, lm: nn.Module, *, rope_kernel: bool = True, fused_loss: bool = True,
                  loss_chunk_size: int = 0, mlp_tile_tokens: int = 0, loss_impl: str = "auto",
-                 fused_norm: bool = True):
+                 fused_norm: bool = True, router_aux: MoESpec | None = None):
         super().__init__()
         self.lm, self.rope_kernel = lm, rope_kernel
+        self.router_aux = router_aux  # None: no load-balancing loss
+        self._aux_agreed, self._aux_log = False, None
         self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
         self.mlp_tile_tokens, self.loss_impl, self.fused_norm = mlp_tile_tokens, loss_impl, fused_norm
         self.cp_size, self.cp_rank = 1, 0
@@ -205,18 +216,57 @@ class HFCausalLM(nn.Module):
                     mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm)
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
 
+    # the trainer's train_step passes the batch's seq_lens (the router loss's real tokens)
+    uses_seq_lens = True
+
     def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
                 position_ids: torch.Tensor | None = None, placement=None,
                 labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None,
-                logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+                logits_to_keep: int | torch.Tensor = 0,
+                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
         if position_ids is None:
             position_ids = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
+        aux = self.router_aux is not None and self.training and labels is not None
         out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None],
                                  cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
                                  max_length_q=int(max_seqlen), max_length_k=int(max_seqlen),
-                                 **({} if placement is None else {"cp_rope_placement": placement}))
-        hidden = out.last_hidden_state[0]
+                                 **({} if placement is None else {"cp_rope_placement": placement}),
+                                 **({"output_router_logits": True} if aux else {}))
+        loss = self._head(out.last_hidden_state[0], labels, loss_group, logits_to_keep)
+        if not aux:
+            return loss
+        return with_extra_gradient(loss, self._router_loss(out, cu_seqlens, position_ids,
+                                                           seq_lens, placement, loss_group))
+
+    def _router_loss(self, out, cu_seqlens, position_ids, seq_lens, placement, loss_group):
+        """``coef * aux / dp`` of this CP group's batch (its gradient: the replica's share of
+        the data-parallel mean); keeps the dp x cp mean of ``aux`` for :meth:`log_metrics`."""
+        if seq_lens is None:
+            raise ValueError("seq_lens: the router load-balancing loss needs the batch's true "
+                             "sequence lengths (packing pads are not tokens): pass "
+                             "seq_lens=batch.seq_lens")
+        spec, patch = self.router_aux, self.lm.cp_rope_patch
+        mask = router_token_mask(cu_seqlens, position_ids, seq_lens, position_ids.shape[0],
+                                 placement=placement, cp_rank=self.cp_rank)
+        aux = load_balancing_loss(out.router_logits, num_experts=spec.num_experts,
+                                  top_k=spec.top_k, mask=mask, group=patch.group,
+                                  agree=not self._aux_agreed)
+        self._aux_agreed = True
+        world = dist.get_world_size(loss_group) if dist.is_initialized() else 1
+        dp = max(world // self.cp_size, 1)
+        logged = aux.detach() / world  # summed over dp x cp: the mean over the replicas
+        if world > 1:
+            dist.all_reduce(logged, group=loss_group)
+        self._aux_log = logged
+        return spec.coef * aux / dp
+
+    def log_metrics(self) -> dict:
+        """``{"aux_loss": float}`` of the last training forward (the router load-balancing loss,
+        unweighted, mean over the data-parallel replicas); ``{}`` without one."""
+        return {} if self._aux_log is None else {"aux_loss": float(self._aux_log)}
+
+    def _head(self, hidden, labels, loss_group, logits_to_keep):
         if not isinstance(logits_to_keep, int) or logits_to_keep:  # transformers' semantics
             keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
                 else logits_to_keep
@@ -276,6 +326,11 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
         raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
                           "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
     _check_loss_impl(fc)
+    if router_aux(hf_config, fc.hf.router_aux_loss) is not None and fc.hf.mlp_tile_tokens:
+        raise ConfigError(f"hf.mlp_tile_tokens={fc.hf.mlp_tile_tokens}: a mixture-of-experts "
+                          "model's router logits are recorded inside its MoE blocks, whose "
+                          "tiles run without autograd: the load-balancing loss would lose its "
+                          "gradient; leave --mlp-tile-tokens off")
     n_ids = load_tokenizer(data).vocab_size
     if n_ids > hf_config.vocab_size:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r}: {n_ids} ids (byte-level when "
@@ -331,9 +386,19 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
     except ValueError as exc:  # damaged or mismatched weight files, named
         raise ConfigError(f"hf.{exc}") from None
     # activation checkpointing / offload: parallelize wraps self.layers (cp_rope.launch.offload)
+    aux = router_aux(lm.config, fc.hf.router_aux_loss)
+    lm.config.output_router_logits = aux is not None
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel, fused_loss=fc.hf.fused_loss,
                       loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens,
-                      loss_impl=fc.hf.loss_impl, fused_norm=fc.hf.fused_norm)
+                      loss_impl=fc.hf.loss_impl, fused_norm=fc.hf.fused_norm, router_aux=aux)
+
+
+def router_aux(hf_config, mode: str) -> MoESpec | None:
+    """:func:`cp_rope.hf.moe.router_loss_spec` (``--router-aux-loss``), errors as ConfigError."""
+    try:
+        return router_loss_spec(hf_config, mode)
+    except ValueError as exc:
+        raise ConfigError(f"hf.{exc}") from None
 
 
 def save_hf_model(model: HFCausalLM, fc: FinetuneConfig) -> str:

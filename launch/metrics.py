@@ -238,6 +238,8 @@ def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
                "peak_mem_gib": peak_memory_gib(tr.device)}
     if "mfu" in window:
         metrics["mfu"] = window["mfu"]
+    own = getattr(tr.model, "log_metrics", None)  # the model's own (finetune_hf: aux_loss)
+    metrics.update(own() if own is not None else {})
     if tr.held_out is not None and tr.held_out.due(tr.step):
         t0 = time.perf_counter()
         metrics.update(tr.held_out.evaluate(tr.model))
@@ -250,7 +252,8 @@ def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
     held = (f" | held-out loss {metrics['eval_loss']:.4f}"
             + (f" ({metrics['eval_bpb']:.3f} bits/byte)" if "eval_bpb" in metrics else "")
             if "eval_loss" in metrics else "")
-    tr.log.write(f"step {tr.step:>6}/{tr.cfg.train.steps} | loss {loss:.4f}{bpb}{held} | "
+    aux = f" | aux loss {metrics['aux_loss']:.4f}" if "aux_loss" in metrics else ""
+    tr.log.write(f"step {tr.step:>6}/{tr.cfg.train.steps} | loss {loss:.4f}{aux}{bpb}{held} | "
                  f"lr {lr:.2e} | grad norm {grad_norm:.3f} | "
                  f"{tps:,.0f} tok/s | {tps / world:,.0f} tok/s/{tr.device.type} | "
                  + (f"mfu {100 * metrics['mfu']:.1f}% | " if "mfu" in metrics else "")

@@ -91,10 +91,10 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there)
+    # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there);
+    extra = {"seq_lens": batch.seq_lens} if getattr(model, "uses_seq_lens", False) else {}  # MoE
     loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, placement=batch.placement,
-                 position_ids=batch.position_ids,
-                 labels=batch.labels, loss_group=loss_group)
+                 position_ids=batch.position_ids, labels=batch.labels, loss_group=loss_group, **extra)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:
         all_reduce_gradients(model, reduce_group)

@@ -137,6 +137,11 @@ def _sha(texts: list[str], *extra) -> str:
     return h.hexdigest()
 
 
+def _file_sha(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
 def _load_meta(path: str) -> dict:
     try:
         with open(path, encoding="utf-8") as f:
@@ -167,6 +172,11 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
             raise ConfigError(f"data.tokenizer: the run's {tok_path} cannot be read ({exc}); "
                               "delete it (and tokenizer_meta.json) to train a new one, or pass "
                               "--tokenizer bytes / --out-dir") from None
+        if meta.get("sha256") not in (None, _file_sha(tok_path)):
+            raise ConfigError(f"data.tokenizer: the run's {tok_path} changed since it was "
+                              "trained (its SHA-256 is not the one tokenizer_meta.json records; "
+                              "the run's checkpoints embed its ids): restore it, delete it and "
+                              "tokenizer_meta.json to train it again, or pass --out-dir")
         notes.append(f"tokenizer: reusing {tok_path} (trained on this corpus)")
     else:
         if os.path.isfile(tok_path):
@@ -174,22 +184,23 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
                          f"--bpe-vocab-size{'' if meta else ' (no tokenizer_meta.json)'}: "
                          "training a new one")
         tok = train_bpe(train, vocab_size=d.bpe_vocab_size, seed=seed)
-        for path, text in ((tok_path, tok.to_str()), (meta_file, json.dumps(
+        tok_text = tok.to_str()
+        for path, text in ((tok_path, tok_text), (meta_file, json.dumps(
                 {"trained_on": key, "vocab_size": d.bpe_vocab_size, "seed": seed,
-                 "train_docs": len(train), "sample_chars": BPE_SAMPLE_BYTES}, indent=1))):
+                 "train_docs": len(train), "sample_chars": BPE_SAMPLE_BYTES,
+                 "sha256": hashlib.sha256(tok_text.encode("utf-8")).hexdigest()}, indent=1))):
             with open(path + ".tmp", "w", encoding="utf-8") as f:
                 f.write(text)
             os.replace(path + ".tmp", path)
         notes.append(f"tokenizer: trained a {d.bpe_vocab_size}-id byte-level BPE on "
                      f"{len(train)} training documents -> {tok_path}")
-    with open(tok_path, "rb") as f:
-        corpus_key = _sha(texts, hashlib.sha256(f.read()).hexdigest())
-    try:
-        with np.load(cache) as z:
-            if str(z["key"]) == corpus_key:
+    corpus_key = _sha(texts, _file_sha(tok_path))
+    if os.path.exists(cache):
+        try:
+            if _read_cache(cache, corpus_key) is not None:
                 return
-    except (OSError, ValueError, KeyError):
-        pass
+        except ConfigError as exc:
+            notes.append(f"{exc}: encoding the corpus again")
     bos, eos = (tok.token_to_id(s) for s in BPE_SPECIALS)
     dtype = np.uint16 if tok.get_vocab_size() <= 65536 else np.uint32
     docs = []  # in chunks: an Encoding object per document costs far more than its ids
@@ -202,6 +213,29 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
     with open(cache + ".tmp", "wb") as f:
         np.savez(f, key=np.array(corpus_key), tokens=tokens, offsets=offsets)
     os.replace(cache + ".tmp", cache)
+
+
+def _read_cache(path: str, key: str | None = None) -> tuple[np.ndarray, np.ndarray] | None:
+    """The encoded corpus ``(tokens, offsets)`` of ``corpus_tokens.npz``, read whole (each
+    member's CRC checked) and checked (offsets from 0, non-decreasing, ending at the token
+    count); None when its key is not ``key`` (another corpus or tokenizer).
+
+    Raises: ConfigError naming the file when it is damaged (truncated, flipped bytes, not an
+    archive this trainer wrote)."""
+    try:
+        with np.load(path) as z:
+            if key is not None and str(z["key"]) != key:
+                return None
+            tokens, offsets = z["tokens"], z["offsets"]
+    except Exception as exc:  # zipfile.BadZipFile, OSError, ValueError, KeyError, EOFError...
+        raise ConfigError(f"the run's encoded corpus {path} is damaged "
+                          f"({type(exc).__name__}: {exc})") from None
+    ok = (tokens.ndim == 1 and offsets.ndim == 1 and offsets.size >= 2 and offsets[0] == 0
+          and offsets[-1] == tokens.size and bool(np.all(np.diff(offsets) >= 0)))
+    if not ok:
+        raise ConfigError(f"the run's encoded corpus {path} is damaged (its document offsets do "
+                          "not fit its tokens)")
+    return tokens, offsets
 
 
 def _on_rank0(fn, rank: int):
@@ -233,9 +267,9 @@ def prepare_corpora(cfg: PretrainConfig, rank: int = 0) -> RunData:
         _on_rank0(lambda: _bpe_files(cfg, notes), rank)
         tok_path, _, cache = (os.path.join(cfg.train.out_dir, f) for f in _FILES)
         tok = HFTokenizer(tok_path)
-        with np.load(cache) as z:
-            corpus = Corpus(tokens=z["tokens"], offsets=z["offsets"], vocab_size=tok.vocab_size,
-                            pad_id=tok.pad_id)
+        tokens, offsets = _read_cache(cache)  # rank 0 checked it; damaged since: named
+        corpus = Corpus(tokens=tokens, offsets=offsets, vocab_size=tok.vocab_size,
+                        pad_id=tok.pad_id)
         table = tok.token_bytes()
         name = f"bpe {tok.vocab_size} ids ({tok_path})"
     else:

@@ -58,6 +58,8 @@ _EXPORTS = {
     "tiled_mlp": "_tiled_mlp",
     # process groups / DeviceMesh
     "ParallelDims": "mesh",
+    # cross-rank agreement before data moves (module _agree)
+    "agree_across_ranks": "_agree",
 }
 
 __all__ = sorted(_EXPORTS)

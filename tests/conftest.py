@@ -5,6 +5,7 @@
   itself. The check does not create a CUDA context.
 * ``@pytest.mark.gpu`` tests are skipped without CUDA.
 * cp-rope must be installed (editable for development): a clear error otherwise.
+* ``finished_run``: a one-step training run shared by the tests that damage a copy of it.
 * Hypothesis: no deadlines (the Triton interpreter and process start-up are
   slow and uneven), a bounded number of examples.
 """
@@ -12,7 +13,6 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 import torch
@@ -21,7 +21,6 @@ _HAS_CUDA = torch.cuda.is_available()
 if not _HAS_CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-sys.path.insert(0, os.path.dirname(__file__))  # tests/utils.py, tests/dist_utils.py
 
 try:  # cp_rope.parallel / cp_rope.launch exist only in an install (pyproject's package-dir)
     import cp_rope.launch  # noqa: F401
@@ -39,6 +38,20 @@ try:
     settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 except ImportError:  # pragma: no cover - hypothesis is in the test extra
     pass
+
+
+@pytest.fixture(scope="session")
+def finished_run(tmp_path_factory):
+    """A one-step ``pretrain`` run (the bad-input runs' size) with its checkpoint, config.json
+    and metrics.jsonl, trained once per session; tests copy it before they damage it."""
+    from utils import tiny_pretrain_argv
+
+    from cp_rope.launch.pretrain import main
+
+    out = tmp_path_factory.mktemp("finished")
+    main(tiny_pretrain_argv(seq_len=64, tokens_per_batch=256, max_docs=16)
+         + ["--steps", "1", "--out-dir", str(out)])
+    return out
 
 
 def pytest_collection_modifyitems(config, items):

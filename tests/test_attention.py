@@ -12,74 +12,37 @@
 
 from __future__ import annotations
 
+import math
+import re
 import time
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import (
+    F64_EXACT,
+    fake_cudnn_bwd,
+    fake_cudnn_fwd,
+    fake_flash_bwd,
+    fake_flash_fwd,
+    install_fake_kernels,
+    make_case,
+    naive_attention,
+    naive_lse,
+    rand64,
+)
 from dist_utils import run_distributed
 from utils import assert_close
 
 from cp_rope.parallel import CPAttentionPlan, context_parallel_attention, shard_tensor, unshard
-from cp_rope.parallel._blocks import Block, _Reference, get_backend, merge_partials
+from cp_rope.parallel._blocks import Block, get_backend, merge_partials
 from cp_rope.parallel.sharding import local_cu_seqlens
-
-F64_EXACT = {"atol": 1e-10, "rtol": 0.0}
-
-
-# --------------------------------------------------------------------------- oracle
-
-def naive_attention(q, k, v, cu, causal, scale, seq_lens=None):
-    """Per-sequence masked softmax attention in q's dtype and device (autograd); rows past
-    cu[-1] -> 0. The oracle of the CPU (float64) and GPU (float32) parity tests."""
-    g = q.shape[1] // k.shape[1]
-    pieces = []
-    cu = cu.tolist()
-    for b in range(len(cu) - 1):
-        s, e = cu[b], cu[b + 1]
-        n = e - s
-        kb, vb = k[s:e].repeat_interleave(g, 1), v[s:e].repeat_interleave(g, 1)
-        scores = torch.einsum("qhd,khd->hqk", q[s:e], kb) * scale
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device)
-        if causal:
-            mask = torch.tril(mask)
-        if seq_lens is not None:
-            mask = mask & (torch.arange(n, device=q.device) < int(seq_lens[b]))[None, :]
-        has = mask.any(-1)[:, None]
-        scores = torch.where(has, scores.masked_fill(~mask, float("-inf")), 0.0)
-        p = torch.softmax(scores, -1) * has
-        pieces.append(torch.einsum("hqk,khd->qhd", p, vb))
-    pieces.append(q.new_zeros(q.shape[0] - cu[-1], *q.shape[1:]))
-    return torch.cat(pieces)
-
-
-def naive_lse(q, k, cu, causal, scale, seq_lens=None):
-    """``[Hq, T]`` log-sum-exp of each query's visible scores (-inf: no key, trailing rows)."""
-    g = q.shape[1] // k.shape[1]
-    lse = torch.full((q.shape[1], q.shape[0]), float("-inf"), dtype=q.dtype, device=q.device)
-    cu = cu.tolist()
-    for b in range(len(cu) - 1):
-        s, e = cu[b], cu[b + 1]
-        n = e - s
-        scores = torch.einsum("qhd,khd->hqk", q[s:e], k[s:e].repeat_interleave(g, 1)) * scale
-        mask = torch.ones(n, n, dtype=torch.bool, device=q.device)
-        if causal:
-            mask = torch.tril(mask)
-        if seq_lens is not None:
-            mask = mask & (torch.arange(n, device=q.device) < int(seq_lens[b]))[None, :]
-        lse[:, s:e] = torch.logsumexp(scores.masked_fill(~mask, float("-inf")), -1)
-    return lse
-
-
-def _rand(gen, *shape):
-    return torch.randn(*shape, generator=gen, dtype=torch.float64)
-
 
 # --------------------------------------------------------------------------- unit tests
 
 def _partial(gen, n, h, d, lse_vals):
-    out = _rand(gen, n, h, d)
+    out = rand64(gen, n, h, d)
     lse = torch.tensor(lse_vals, dtype=torch.float64).view(1, n).expand(h, n).clone()
     return out, lse
 
@@ -117,8 +80,8 @@ def test_fused_merge_kernel(acc_dtype):
     gen = torch.Generator().manual_seed(11)
     n, h, d = 37, 3, 80
     ninf = float("-inf")
-    acc, o = _rand(gen, n, h, d), _rand(gen, n, h, d)
-    l1, l2 = _rand(gen, h, n) * 3, _rand(gen, h, n) * 3
+    acc, o = rand64(gen, n, h, d), rand64(gen, n, h, d)
+    l1, l2 = rand64(gen, h, n) * 3, rand64(gen, h, n) * 3
     l1[:, :5], l2[:, 3:8], l1[1, 20], l2[2, 20] = ninf, ninf, ninf, ninf
     exp_out, exp_lse = merge_partials(acc, l1, o, l2)
     got = acc.to(acc_dtype)
@@ -149,7 +112,7 @@ def test_reference_block_matches_naive_softmax(causal):
         cu_q, cu_k = [0, 5, 5, 9, 150], [0, 7, 19, 19, 150]
     blk = _block(cu_q, cu_k, causal)
     n_q, n_k = cu_q[-1] + 2, cu_k[-1] + 1  # trailing rows belong to no segment
-    q, k, v = _rand(gen, n_q, hq, d), _rand(gen, n_k, hkv, d), _rand(gen, n_k, hkv, d)
+    q, k, v = rand64(gen, n_q, hq, d), rand64(gen, n_k, hkv, d), rand64(gen, n_k, hkv, d)
     be = get_backend("reference", q, len(cu_q) - 1)
     [(row0, out, lse)], _ = be.forward(q, k, v, blk, scale)
     # oracle: explicit dense mask over all rows
@@ -171,7 +134,7 @@ def test_reference_block_matches_naive_softmax(causal):
     assert_close(out, ref, **F64_EXACT, name="out")
     assert_close(lse, ref_lse, **F64_EXACT, name="lse")
     assert bool((lse[:, ~has] == float("-inf")).all())
-    dout = _rand(gen, n_q, hq, d)
+    dout = rand64(gen, n_q, hq, d)
     ref_grads = torch.autograd.grad(ref, (qr, kr, vr), dout)
     [(q0, dq, k0, dk, dv)] = be.backward(dout, q, k, v, out, lse, blk, scale, None)
     for name, got, exp in zip(("dq", "dk", "dv"), (dq, dk, dv), ref_grads, strict=True):
@@ -184,8 +147,8 @@ def test_single_process_padding_rows_and_float32():
     lens = [5, 0, 1, 17]
     cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
     n = int(cu[-1]) + 3
-    q, k, v = _rand(gen, n, 4, 16), _rand(gen, n, 2, 16), _rand(gen, n, 2, 16)
-    dout = _rand(gen, n, 4, 16)
+    q, k, v = rand64(gen, n, 4, 16), rand64(gen, n, 2, 16), rand64(gen, n, 2, 16)
+    dout = rand64(gen, n, 4, 16)
     for dtype in (torch.float64, torch.float32):
         qx, kx, vx = (t.to(dtype, copy=True).requires_grad_() for t in (q, k, v))
         out = context_parallel_attention(qx, kx, vx, cu, max(lens), backend="reference")
@@ -266,7 +229,7 @@ def test_cp1_results_are_the_kernel_outputs(monkeypatch):
     monkeypatch.setattr(_compat, "torch_cudnn_bwd", record(fake_cudnn_bwd))
     flash = _blocks._Varlen("torch_flash", record(fake_flash_fwd), record(fake_flash_bwd))
     gen = torch.Generator().manual_seed(7)
-    q, k, v, dout = (_rand(gen, 19, h, 8) for h in (4, 2, 2, 4))
+    q, k, v, dout = (rand64(gen, 19, h, 8) for h in (4, 2, 2, 4))
     for be, lens in ((flash, [6, 0, 13]), (_blocks._Cudnn(), [19])):
         made.clear()
         monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be: be)
@@ -280,148 +243,8 @@ def test_cp1_results_are_the_kernel_outputs(monkeypatch):
 
 # --------------------------------------------------------------------------- multi-rank
 
-def _make_case(seed, cp_size, hq, hkv, d, one_seq):
-    gen = torch.Generator().manual_seed(seed)
-    pool = [0, 1, 2 * cp_size, 2 * cp_size + 1, 3, 9, 23]
-    lens = [pool[int(i)] for i in torch.randint(0, len(pool), (6,), generator=gen)] + [0, 1, 2 * cp_size]
-    lens = [lens[int(i)] for i in torch.randperm(len(lens), generator=gen)]
-    if one_seq == "equal":
-        lens = [128 * cp_size] * 3
-    elif one_seq:
-        lens = [37]
-    padded = [-(-n // (2 * cp_size)) * 2 * cp_size for n in lens]
-    cu = torch.tensor([0, *torch.tensor(padded).cumsum(0).tolist()], dtype=torch.int32)
-    n = int(cu[-1])
-    tensors = [_rand(gen, n, h, d) for h in (hq, hkv, hkv, hq)]  # q, k, v, dout
-    return lens, cu, tensors
-
-
-# Fake GPU kernels: the reference math behind the exact conventions of the CUDA kernels
-# (flash: LSE +inf for rows without keys, rows past cu_q[-1] / cu_k[-1] left unwritten;
-# cuDNN: dense [1, H, S, D] views), so the CPU tests drive the GPU backends' glue code:
-# segment building, max_q / max_k bounds, partial rows, aux plumbing.
-
-def _check_bounds(cu_q, cu_k, max_q, max_k):
-    lq, lk = (cu_q[1:] - cu_q[:-1]), (cu_k[1:] - cu_k[:-1])
-    assert int(lq.max()) <= max_q and int(lk.max()) <= max_k, (lq.tolist(), max_q, lk.tolist(), max_k)
-
-
-def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    _check_bounds(cu_q, cu_k, max_q, max_k)
-    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
-    lse = lse.masked_fill(lse == float("-inf"), float("inf"))
-    out[int(cu_q[-1]):], lse[:, int(cu_q[-1]):] = float("nan"), float("nan")
-    return out.to(q.dtype), lse, "rng", "unused"  # like the kernels: out in q's dtype
-
-
-def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
-    assert (rng, unused) == ("rng", "unused")
-    _check_bounds(cu_q, cu_k, max_q, max_k)
-    blk = Block(cu_q, cu_k, max_q, max_k, causal)
-    [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
-    dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def _dense(fn, *bhsd):
-    """Run a [S, H, D] function on [1, H, S, D] views."""
-    return fn(*(t[0].transpose(0, 1) for t in bhsd))
-
-
-def fake_cudnn_fwd(q, k, v, causal, scale):
-    sq, sk = q.shape[2], k.shape[2]
-    blk = Block(torch.tensor([0, sq]), torch.tensor([0, sk]), sq, sk, causal)
-    [(_, out, lse)], _ = _dense(lambda q, k, v: _Reference().forward(q, k, v, blk, scale), q, k, v)
-    return out.to(q.dtype).transpose(0, 1).unsqueeze(0), lse.unsqueeze(0), ("aux", blk)
-
-
-def fake_cudnn_bwd(dout, q, k, v, out, lse, causal, scale, aux):
-    tag, blk = aux
-    assert tag == "aux" and blk.causal == causal
-    [(_, *grads)] = _dense(lambda do, q, k, v, o: _Reference().backward(
-        do, q, k, v, o, lse[0], blk, scale, None), dout, q, k, v, out)
-    dq, _, dk, dv = grads
-    return tuple(g.to(q.dtype).transpose(0, 1).unsqueeze(0) for g in (dq, dk, dv))
-
-
-def fake_cudnn_thd_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """The cuDNN frontend's THD conventions: bounds multiples of 64; LSE a [H, T] view of
-    token-major stats; rows past cu_q[-1] unwritten and rows of a segment without keys
-    NaN / denormal garbage (as measured on an H200 with cuDNN 9.19)."""
-    _check_bounds(cu_q, cu_k, max_q, max_k)
-    assert max_q % 64 == 0 and max_k % 64 == 0 and max_q >= 64, (max_q, max_k)
-    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
-    stats = lse.t().unsqueeze(-1).to(torch.float32 if q.dtype != torch.float64 else q.dtype)
-    stats = stats.contiguous()  # [T, H, 1] token-major, as the kernel writes it
-    lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
-        out[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
-        stats[int(cu_q[i]):int(cu_q[i + 1])] = 2.4e-38
-    out[int(cu_q[-1]):], stats[int(cu_q[-1]):] = float("nan"), float("nan")
-    return out.to(q.dtype), stats[:, :, 0].t()
-
-
-def fake_cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Takes the LSE padded [B, H, max_q, 1] (rows past a segment's length ignored): the fake
-    un-pads it, so a wrong layout gives wrong (or NaN) gradients."""
-    _check_bounds(cu_q, cu_k, max_q, max_k)
-    n_seg, hq = cu_q.numel() - 1, q.shape[1]
-    assert lse_padded.shape == (n_seg, hq, max_q, 1) and lse_padded.is_contiguous(), lse_padded.shape
-    lse = torch.full((hq, q.shape[0]), float("nan"), dtype=lse_padded.dtype)
-    for b in range(n_seg):
-        q0, n = int(cu_q[b]), int(cu_q[b + 1] - cu_q[b])
-        lse[:, q0:q0 + n] = lse_padded[b, :, :n, 0]
-    blk = Block(cu_q, cu_k, max_q, max_k, causal)
-    [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
-    dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-def fake_cudnn_dense_fwd(q, k, v, causal, scale):
-    """Dense [n, H, S, D] views (token-major memory); output in q's layout, stats
-    [n, H, S, 1] contiguous."""
-    n, hq, sq, d = q.shape
-    out = torch.empty(n, sq, hq, d, dtype=q.dtype).transpose(1, 2)  # q's layout
-    stats = torch.empty(n, hq, sq, 1, dtype=torch.float64 if q.dtype == torch.float64
-                        else torch.float32)
-    for b in range(n):
-        blk = Block(torch.tensor([0, sq]), torch.tensor([0, k.shape[2]]), sq, k.shape[2], causal)
-        [(_, o, lse)], _ = _Reference().forward(q[b].transpose(0, 1), k[b].transpose(0, 1),
-                                                v[b].transpose(0, 1), blk, scale)
-        out[b], stats[b, :, :, 0] = o.transpose(0, 1), lse
-    return out, stats
-
-
-def fake_cudnn_dense_bwd(dout, q, k, v, out, lse, causal, scale):
-    assert lse.shape == (*q.shape[:3], 1) and lse.is_contiguous(), lse.shape
-    grads = [torch.empty(t.shape[0], t.shape[2], t.shape[1], t.shape[3], dtype=t.dtype)
-             .transpose(1, 2) for t in (q, k, v)]  # in q / k / v's layouts
-    t = lambda x, b: x[b].transpose(0, 1)
-    for b in range(q.shape[0]):
-        blk = Block(torch.tensor([0, q.shape[2]]), torch.tensor([0, k.shape[2]]), q.shape[2],
-                    k.shape[2], causal)
-        [(_, dq, _, dk, dv)] = _Reference().backward(
-            t(dout, b), t(q, b), t(k, b), t(v, b), t(out, b), lse[b, :, :, 0], blk, scale, None)
-        for g, x in zip(grads, (dq, dk, dv), strict=True):
-            g[b] = x.transpose(0, 1)
-    return tuple(grads)
-
-
-def _install_fake_kernels():
-    from cp_rope.parallel import _blocks, _compat
-    from cp_rope.parallel import attention as att
-
-    _compat.torch_cudnn_fwd, _compat.torch_cudnn_bwd = fake_cudnn_fwd, fake_cudnn_bwd
-    _compat.cudnn_thd_fwd, _compat.cudnn_thd_bwd = fake_cudnn_thd_fwd, fake_cudnn_thd_bwd
-    _compat.cudnn_dense_fwd, _compat.cudnn_dense_bwd = fake_cudnn_dense_fwd, fake_cudnn_dense_bwd
-    real = att.get_backend
-    fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
-             "fake_cudnn": _blocks._Cudnn, "fake_cudnn_thd": _blocks._CudnnTHD}
-    att.get_backend = lambda name, q, n: fakes[name]() if name in fakes else real(name, q, n)
-
-
 def _parity_body(rank, world_size):
-    _install_fake_kernels()
+    install_fake_kernels()
     group = dist.group.WORLD
     cases = [  # (hq, hkv, d, causal, backend, one sequence)
         (4, 4, 16, True, "reference", False),  # 0: + trailing rows
@@ -440,7 +263,7 @@ def _parity_body(rank, world_size):
         (4, 2, 16, True, "fake_cudnn_thd", "equal"),  # 13: equal documents: dense diagonal
     ]
     for ci, (hq, hkv, d, causal, backend, one_seq) in enumerate(cases):
-        lens, cu, (q, k, v, dout) = _make_case(100 + ci, world_size, hq, hkv, d, one_seq)
+        lens, cu, (q, k, v, dout) = make_case(100 + ci, world_size, hq, hkv, d, one_seq)
         seq_lens = None if causal else torch.tensor(lens)
         scale = 0.3 if ci == 1 else None
         ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -511,7 +334,7 @@ def _half_accumulators_match_fp32(rank, world_size, group):
                                                      ("fake_cudnn", True, "ring"),
                                                      ("fake_cudnn_thd", False, "ring"),
                                                      ("fake_flash", False, "allgather")]):
-        lens, cu, tensors = _make_case(300 + ci, world_size, 4, 2, 16, one_seq)
+        lens, cu, tensors = make_case(300 + ci, world_size, 4, 2, 16, one_seq)
         local_cu = local_cu_seqlens(cu, world_size)
         max_local = int((local_cu[1:] - local_cu[:-1]).max())
         loc = [shard_tensor(t, cu, world_size, rank).bfloat16() for t in tensors]
@@ -541,7 +364,7 @@ def _plan_is_built_once(rank, world_size, group):
     built and no signature gathered in the layers (structural: the GPU test counts syncs)."""
     from cp_rope.parallel import plan as plan_mod
 
-    lens, cu, (q, k, v, dout) = _make_case(400, world_size, 4, 2, 8, False)
+    lens, cu, (q, k, v, dout) = make_case(400, world_size, 4, 2, 8, False)
     local_cu = local_cu_seqlens(cu, world_size)
     max_local = int((local_cu[1:] - local_cu[:-1]).max())
     loc = [shard_tensor(t, cu, world_size, rank) for t in (q, k, v, dout)]
@@ -593,6 +416,8 @@ def _errors_across_ranks(rank, world_size, group):
         context_parallel_attention(q, k, k, cu, 8, group=group, backend="reference")
     assert "cu_seqlens=[0, 2, 8, 10, 16]" in str(info.value), str(info.value)
     assert "cu_seqlens=[0, 4, 4, 12, 16]" in str(info.value), str(info.value)
+    # (issue 15: equal weighted sums passed the old check) the message names the rank's layout
+    assert re.search(r"rank 1: cu_seqlens=.*4, 4, 12", str(info.value)), str(info.value)
     # bad content on one rank: that rank raises its ValueError, every other rank names it
     bad = torch.tensor([0, 4, 3, 16] if rank == 1 else [0, 4, 8, 16], dtype=torch.int32)
     expected = (ValueError, "non-decreasing") if rank == 1 else (RuntimeError, "rank 1: ValueError")
@@ -630,3 +455,32 @@ def test_unknown_backend_lists_the_choices():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match="backend must be one of 'auto', 'cudnn'"):
         context_parallel_attention(q, k, v, cu, 8, backend="xformers")
+
+
+# ------------------------------------------------------------------ scale and causal of the wrong kind (the issue-15 catalogue)
+
+def _qkv(t=16, h=2, d=8):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(t, h, d, generator=g) for _ in range(3)]
+
+
+def test_softmax_scale_inf():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"softmax_scale"):
+        context_parallel_attention(q, k, v, cu, 16, softmax_scale=math.inf, backend="reference")
+
+
+def test_softmax_scale_bool():
+    """(Found after issue 15, so not in CATALOGUE: it was silent.) True is a bool, not a scale."""
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"softmax_scale"):
+        context_parallel_attention(q, k, v, cu, 16, softmax_scale=True, backend="reference")
+
+
+def test_causal_not_a_bool():
+    q, k, v = _qkv()
+    cu = torch.tensor([0, 16], dtype=torch.int32)
+    with pytest.raises(TypeError, match=r"causal"):
+        context_parallel_attention(q, k, v, cu, 16, causal="no", backend="reference")

@@ -36,19 +36,17 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import naive_attention, naive_lse, rand64
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # for torchrun
-from test_attention import naive_attention, naive_lse  # noqa: E402
-from utils import assert_close  # noqa: E402
-
-from cp_rope.parallel import (  # noqa: E402
+from cp_rope.parallel import (
     CPAttentionPlan,
     context_parallel_attention,
     shard_tensor,
     unshard,
 )
-from cp_rope.parallel._compat import flash_attn_available  # noqa: E402
-from cp_rope.parallel.sharding import local_cu_seqlens  # noqa: E402
+from cp_rope.parallel._compat import flash_attn_available
+from cp_rope.parallel.sharding import local_cu_seqlens
 
 ONE_SEQ = ("cudnn", "torch_flash", "torch_cudnn")
 VARLEN = ("cudnn", "torch_flash")
@@ -151,15 +149,13 @@ def test_cp_attention_gpu_cp1():
 def test_fused_merge_gpu(acc_dtype):
     """The Triton LSE merge (every merge of CP attention on CUDA at cp_size > 1) against the
     float64 merge of the same (rounded) inputs; -inf partials; cuDNN-style strided LSE."""
-    from test_attention import _rand
-
     from cp_rope.parallel._blocks import merge_partials
     from cp_rope.parallel._merge import merge_rows_
 
     gen = torch.Generator().manual_seed(5)
     n, h, d = 20000, 8, 128
-    acc, o = _rand(gen, n, h, d), _rand(gen, n, h, d)
-    l1, l2 = _rand(gen, h, n) * 3, _rand(gen, h, n) * 3
+    acc, o = rand64(gen, n, h, d), rand64(gen, n, h, d)
+    l1, l2 = rand64(gen, h, n) * 3, rand64(gen, h, n) * 3
     l1[:, :50], l2[:, 30:80] = float("-inf"), float("-inf")
     got = acc.to("cuda", acc_dtype)
     got_lse = l1.to("cuda", torch.float32)

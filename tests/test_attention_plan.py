@@ -21,7 +21,7 @@ import weakref
 
 import pytest
 import torch
-from test_attention import naive_attention, naive_lse
+from attention_utils import naive_attention, naive_lse
 from utils import assert_close
 
 from cp_rope.parallel import CPAttentionPlan, _blocks, _compat, context_parallel_attention

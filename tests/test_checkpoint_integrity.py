@@ -482,3 +482,13 @@ def test_two_ranks_share_the_hashing_and_the_verdict(tmp_path):
     ranks skip the checkpoint (and load_checkpoint raise on both), no hang; a save failing on
     rank 1 alone raises the same CheckpointError on both ranks and keeps the last good one."""
     run_distributed(_two_rank_body, 2, str(tmp_path), timeout_s=60)
+
+
+# ------------------------------------------------------------------ a flipped byte in a run's only checkpoint (the issue-15 catalogue)
+
+def test_checkpoint_shard_with_flipped_bytes(finished_run, tmp_path):
+    run = str(shutil.copytree(finished_run, tmp_path / "run"))
+    (path,) = [os.path.join(run, "checkpoints", d) for d in os.listdir(os.path.join(run, "checkpoints"))]
+    _flip(_shard(path))
+    with pytest.raises(CheckpointError, match=r"step_00000001: __0_\d+\.distcp: SHA-256 differs"):
+        main(TINY + ["--steps", "2", "--resume", "--out-dir", run])

@@ -6,22 +6,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import sys
 
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import naive_attention
+from dist_utils import run_distributed
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_distributed  # noqa: E402
-
-from cp_rope.parallel import calibrate as calib  # noqa: E402
-from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard  # noqa: E402
-from cp_rope.parallel._choose import last_choice  # noqa: E402
-from cp_rope.parallel._self_test import _reference_attention  # noqa: E402
-from cp_rope.parallel.attention import attention_plan  # noqa: E402
-from cp_rope.parallel.cost_model import Setting, choose, predict  # noqa: E402
+from cp_rope.parallel import calibrate as calib
+from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
+from cp_rope.parallel._choose import last_choice
+from cp_rope.parallel.attention import attention_plan
+from cp_rope.parallel.cost_model import Setting, choose, predict
 
 H = dict(q_heads=32, kv_heads=8, head_dim=128)
 
@@ -114,7 +110,7 @@ def _parity_body(rank, world):
         gen = torch.Generator().manual_seed(0)
         q, k, v = (torch.randn(int(cu[-1]), h, d, generator=gen, dtype=torch.float64)
                    for h in (hq, hkv, hkv))
-        ref = _reference_attention(q, k, v, cu)
+        ref = naive_attention(q, k, v, cu, True, d ** -0.5)
         calib.use_calibration(_steer(method))
         try:
             local_cu = cu // world
@@ -178,9 +174,40 @@ def _auto_placement_body(rank, world):
         out = context_parallel_attention(q, k, v, plan=plan)
         got = unshard(out, local.cu_seqlens, group, placement=local.placement)
         glob = auto.collator.pack(examples)
-        ref = _reference_attention(*(t[glob.input_ids] for t in table), glob.cu_seqlens)
+        q, k, v = (t[glob.input_ids] for t in table)
+        ref = naive_attention(q, k, v, glob.cu_seqlens, True, q.shape[-1] ** -0.5)
         torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-10)
 
 
 def test_auto_placement_per_batch_float64_parity():
     run_distributed(_auto_placement_body, 2)
+
+
+# ------------------------------------------------------------------ auto at cp 1 and the calibrate command line (round 3)
+
+def test_auto_at_cp_1_runs_what_the_methods_run():
+    """At cp 1 nothing is split: auto takes any lengths and either layout, as ring does."""
+    from cp_rope.parallel import attention_plan, place_documents
+    kw = dict(q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+    odd = torch.tensor([0, 5, 12], dtype=torch.int32)
+    assert attention_plan(odd, 7, method="ring", **kw).method == "ring"
+    assert attention_plan(odd, 7, method="auto", **kw).method == "ring"
+    assert attention_plan(odd, 7, placement="auto", **kw).kind == "zigzag"
+    placed = place_documents(torch.tensor([0, 6, 14, 22], dtype=torch.int32), 1, 6)
+    assert attention_plan(placed, method="auto", **kw).kind == "per_document"
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--tokens", "0"], r"--tokens must be >= 2"),
+    (["--iters", "0"], r"--iters must be >= 1"),
+    (["--iters", "-1"], r"--iters must be >= 1"),
+    (["--backend", "flsh"], r"--backend: 'flsh' is not one of"),
+    (["--out", "/nonexistent/dir/c.json"], r"--out: cannot write .*/nonexistent/dir"),
+])
+def test_calibrate_flags(tmp_path, capsys, flags, match):
+    from cp_rope.parallel.calibrate import main as calibrate
+    with pytest.raises(SystemExit) as exc:
+        calibrate(["--out", str(tmp_path / "c.json"), *flags])
+    assert exc.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)
+    assert not (tmp_path / "c.json").exists()

@@ -5,7 +5,7 @@ of a segment with queries and keys is in exactly one call, the others are the
 cleared rows; each call's padded LSE (``B_pad x s_q``) is within its bound, so no
 tensor is ``n_seqs x max_seqlen``; bounded call and graph-shape counts. The glue
 (views, gathers, LSE re-padding and scatter, cleared rows) runs on the CPU through
-fake cuDNN kernels (tests/test_attention.py's, made stricter: every row a kernel
+fake cuDNN kernels (tests/attention_utils.py's, made stricter: every row a kernel
 need not write is NaN) against the float64 oracle, at cp 1 and on simulated
 ranks of cp 2 / 4 (ring and all-gather blocks: skipped keys, keyless queries)
 against the reference backend.
@@ -18,7 +18,7 @@ import random
 
 import pytest
 import torch
-from test_attention import (
+from attention_utils import (
     F64_EXACT,
     fake_cudnn_dense_bwd,
     fake_cudnn_dense_fwd,

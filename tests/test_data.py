@@ -10,7 +10,9 @@ import sysconfig
 import numpy as np
 import pytest
 import torch
+from utils import tiny_pretrain_argv
 
+from cp_rope.launch import data as data_mod
 from cp_rope.launch.config import ConfigError, DataConfig
 from cp_rope.launch.data import (
     ByteTokenizer,
@@ -21,6 +23,7 @@ from cp_rope.launch.data import (
     padded_vocab_size,
     stdlib_files,
 )
+from cp_rope.launch.pretrain import main
 from cp_rope.parallel import PackingCollator, SpanDataset, shard_batch
 
 BOS, EOS = ByteTokenizer.bos_id, ByteTokenizer.eos_id
@@ -160,3 +163,78 @@ def test_hf_tokenizer_unreadable_file_names_the_field(tmp_path, text):
     path.write_text(text)
     with pytest.raises(ConfigError, match=r"data\.tokenizer=.*not a tokenizers tokenizer\.json"):
         load_tokenizer(DataConfig(tokenizer=str(path)))
+
+
+# ------------------------------------------------------------------ bad input: corpora and tokenizers (from the issue-15 and round-3 catalogues)
+SMALL = tiny_pretrain_argv(seq_len=64, tokens_per_batch=256, max_docs=16)  # the bad-input runs' size
+
+
+def _data_argv(path, *extra):
+    return SMALL + ["--steps", "1", "--data", str(path), *extra]
+
+
+def test_jsonl_invalid_utf8(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n{"text": "caf\xe9"}\n')
+    with pytest.raises(ConfigError, match=r"c\.jsonl.*line 2 is not valid UTF-8"):
+        main(_data_argv(f, "--out-dir", str(tmp_path / "out")))
+
+
+def test_bin_empty(tmp_path):
+    f = tmp_path / "c.bin"
+    f.write_bytes(b"")
+    with pytest.raises(ConfigError, match=r"c\.bin.*--data.*empty"):
+        main(_data_argv(f, "--eos-id", "1", "--vocab-size", "64", "--out-dir", str(tmp_path / "o")))
+
+
+def test_eos_id_outside_vocab(tmp_path):
+    f = tmp_path / "c.bin"
+    np.arange(1, 200, dtype=np.uint16).tofile(f)
+    with pytest.raises(ConfigError, match=r"--eos-id.*\[0, 256\)"):
+        main(_data_argv(f, "--eos-id", "300", "--vocab-size", "256", "--out-dir", str(tmp_path / "o")))
+
+
+def test_eos_id_outside_bin_dtype(tmp_path):
+    f = tmp_path / "c.bin"
+    np.arange(1, 200, dtype=np.uint16).tofile(f)
+    with pytest.raises(ConfigError, match=r"--eos-id.*uint16"):
+        main(_data_argv(f, "--eos-id", "70000", "--vocab-size", "100000", "--out-dir",
+                        str(tmp_path / "o")))
+
+
+def test_corpus_unreadable(tmp_path, monkeypatch):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"text": "a"}\n')
+    f.chmod(0)
+    if os.geteuid() == 0:  # root reads anything: make this file's open fail as it would
+        real = open
+
+        def deny(file, *a, **k):
+            if str(file) == str(f):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real(file, *a, **k)
+        monkeypatch.setattr(data_mod, "open", deny, raising=False)
+    with pytest.raises(ConfigError, match=r"c\.jsonl.*--data.*cannot be read: Permission denied"):
+        main(_data_argv(f, "--out-dir", str(tmp_path / "out")))
+
+
+def test_jsonl_lone_surrogate_names_file_and_line(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"text": "fine"}\n{"text": "bad \\ud800 text"}\n')
+    with pytest.raises(ConfigError, match=r"c\.jsonl.*line 2.*'\\ud800'.*surrogate"):
+        main(SMALL + ["--steps", "1", "--data", str(f), "--out-dir", str(tmp_path / "o")])
+
+
+def test_eos_id_for_a_text_corpus(tmp_path):
+    f = tmp_path / "c.jsonl"
+    f.write_text('{"text": "some text"}\n')
+    with pytest.raises(ConfigError, match=r"data\.eos_id=999: is for a pre-tokenized \.bin"):
+        main(SMALL + ["--steps", "1", "--data", str(f), "--eos-id", "999",
+                     "--out-dir", str(tmp_path / "o")])
+
+
+def test_tokenizer_bpe_outside_pretrain_says_why():
+    from cp_rope.launch.config import DataConfig
+    from cp_rope.launch.data import load_tokenizer
+    with pytest.raises(ConfigError, match=r"--tokenizer bpe.*pretrain only.*finetune_hf needs"):
+        load_tokenizer(DataConfig(tokenizer="bpe"))

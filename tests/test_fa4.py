@@ -18,8 +18,7 @@ import fa4_utils
 import numpy as np
 import pytest
 import torch
-from fa4_utils import fake_fa4_bwd, fake_fa4_fwd, zero_outside
-from test_attention import (
+from attention_utils import (
     F64_EXACT,
     fake_cudnn_dense_bwd,
     fake_cudnn_dense_fwd,
@@ -28,6 +27,7 @@ from test_attention import (
     naive_attention,
     naive_lse,
 )
+from fa4_utils import fake_fa4_bwd, fake_fa4_fwd, zero_outside
 from utils import assert_close
 
 from cp_rope.parallel import (

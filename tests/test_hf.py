@@ -24,15 +24,13 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_distributed
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_distributed  # noqa: E402
-from utils import assert_close  # noqa: E402
+from cp_rope.parallel import PackingCollator, cp_cross_entropy, unshard
 
-import cp_rope.hf as H  # noqa: E402 - the hf extra; scripts/setup.sh installs it for CI
-from cp_rope.parallel import PackingCollator, cp_cross_entropy, unshard  # noqa: E402
-
-transformers = H.transformers
+transformers = pytest.importorskip("transformers")  # the hf extra; scripts/setup.sh installs it
+H = importlib.import_module("cp_rope.hf")  # after the skip: it needs transformers
 V = 61
 DOC_LENS = (5, 13, 1, 8, 3, 6)  # odd lengths: zigzag padding at every cp size
 

@@ -3,21 +3,16 @@ transformers' own forward (bit for bit) otherwise; installed and removed with th
 
 from __future__ import annotations
 
-import os
-import sys
+import importlib
 
 import pytest
 import torch
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from utils import assert_close  # noqa: E402
-
-import cp_rope.hf as H  # noqa: E402
-from cp_rope.hf._compat import FAMILIES  # noqa: E402
-from cp_rope.hf.norms import fuse_rms_norms  # noqa: E402
-
-transformers = H.transformers
+transformers = pytest.importorskip("transformers")  # the hf extra; scripts/setup.sh installs it
+H = importlib.import_module("cp_rope.hf")  # after the skip: it needs transformers
+FAMILIES = importlib.import_module("cp_rope.hf._compat").FAMILIES
+fuse_rms_norms = importlib.import_module("cp_rope.hf.norms").fuse_rms_norms
 
 
 def _norm_class(family):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import os
-import sys
-
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_distributed
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dist_utils import run_distributed  # noqa: E402
-from utils import assert_close  # noqa: E402
-
-from cp_rope.parallel import cp_cross_entropy  # noqa: E402
+from cp_rope.parallel import cp_cross_entropy
 
 
 def _data(t: int, v: int, seed: int, ignore_frac: float = 0.3):
@@ -97,3 +92,21 @@ def _group_body(rank: int, world: int) -> None:
 
 def test_group_mean_and_gradient_shares():
     run_distributed(_group_body, 2)
+
+
+# ------------------------------------------------------------------ bad input (the issue-15 catalogue)
+
+def test_cross_entropy_labels_out_of_range():
+    logits = torch.randn(6, 10)
+    with pytest.raises(ValueError, match=r"labels.*\[0, 10\)"):
+        cp_cross_entropy(logits, torch.tensor([1, 2, -100, 10, 3, 4]))
+
+
+def test_cross_entropy_logits_wrong_type():
+    with pytest.raises(TypeError, match=r"logits must be a torch.Tensor"):
+        cp_cross_entropy(np.zeros((4, 10), np.float32), torch.zeros(4, dtype=torch.long))
+
+
+def test_cross_entropy_labels_on_another_device():
+    with pytest.raises(ValueError, match=r"labels.*device"):
+        cp_cross_entropy(torch.randn(4, 10), torch.zeros(4, dtype=torch.long, device="meta"))

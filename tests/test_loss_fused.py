@@ -3,29 +3,23 @@ one process and CP groups of 1, 2 and 4 gloo ranks under both placements."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_distributed
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dist_utils import run_distributed  # noqa: E402
-from utils import assert_close  # noqa: E402
-
-from cp_rope.parallel import (  # noqa: E402
+from cp_rope.parallel import (
     PackingCollator,
-    _loss_impl,  # noqa: E402
+    _loss_impl,
     cp_cross_entropy,
     cp_linear_cross_entropy,
     cp_shard_indices,
     shard_batch,
 )
-from cp_rope.parallel import loss as loss_module  # noqa: E402
-from cp_rope.parallel.loss import auto_chunk_size, loss_impl  # noqa: E402
+from cp_rope.parallel import loss as loss_module
+from cp_rope.parallel.loss import auto_chunk_size, loss_impl
 
 
 def _unfused(h, w, labels, group=None, softcap=None):
@@ -286,3 +280,57 @@ def _refusal_body(rank, world):
 
 def test_a_rank_refused_its_arguments_every_rank_raises():
     run_distributed(_refusal_body, 2, timeout_s=60)
+
+
+# ------------------------------------------------------------------ bad input across the group and of the group (round 3)
+
+def _loss_disagreement_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(6, 8, dtype=torch.float64, generator=g)
+    w = torch.randn(11, 8, dtype=torch.float64, generator=g)
+    labels = torch.randint(0, 11, (6,), generator=g)
+
+    def expect(fn, mine, other):
+        with pytest.raises((ValueError, RuntimeError), match=mine if rank == 1 else other):
+            fn()
+
+    bad = labels.clone()
+    if rank == 1:
+        bad[0] = 11  # a label outside the vocabulary on one rank only
+    # the refusing rank raises its own error, the other one names it (no wait, no gloo timeout)
+    expect(lambda: cp_cross_entropy(h @ w.T, bad), r"labels must be in \[0, 11\)",
+           r"cp_cross_entropy: rank 1 of the group refused its arguments")
+    expect(lambda: cp_linear_cross_entropy(h, w, bad), r"labels must be in \[0, 11\)",
+           r"cp_linear_cross_entropy: rank 1 of the group refused its arguments")
+    expect(lambda: cp_linear_cross_entropy(h, w, labels, chunk_size=4 if rank == 0 else 0),
+           r"chunk_size=0", r"rank 1 of the group refused")
+    # arguments that must agree across the group: an error naming the field on every rank
+    for kw, field in [({"ignore_index": -100 if rank == 0 else 0}, "ignore_index"),
+                      ({"softcap": 30.0 if rank == 0 else None}, "softcap")]:
+        with pytest.raises(RuntimeError, match=rf"disagree on {field}"):
+            cp_linear_cross_entropy(h, w, labels, **kw)
+    with pytest.raises(RuntimeError, match=r"disagree on V \(weight\.shape\[0\]\)"):
+        cp_linear_cross_entropy(h, w[: 11 - rank], labels.clamp(max=9))
+    with pytest.raises(RuntimeError, match=r"disagree on ignore_index"):
+        cp_cross_entropy(h @ w.T, labels, ignore_index=-100 if rank == 0 else 0)
+    # the group still works, and agrees with the unfused loss
+    fused = cp_linear_cross_entropy(h, w, labels, group=dist.group.WORLD)
+    assert torch.allclose(fused, cp_cross_entropy(h @ w.T, labels), rtol=1e-12, atol=0)
+
+
+def test_loss_refused_on_one_rank_is_an_error_on_every_rank():
+    from dist_utils import run_distributed
+    run_distributed(_loss_disagreement_body, 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("which", ["cp_cross_entropy", "cp_linear_cross_entropy"])
+def test_loss_group_not_a_process_group(which):
+    import cp_rope.parallel as P
+    h, w, labels = torch.randn(4, 8), torch.randn(5, 8), torch.randint(0, 5, (4,))
+    args = (h @ w.T, labels) if which == "cp_cross_entropy" else (h, w, labels)
+    with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup or "
+                                        r"None, got str 'world'"):
+        getattr(P, which)(*args, group="world")

@@ -7,19 +7,14 @@ name their flag."""
 
 from __future__ import annotations
 
-import os
-import sys
-
 import pytest
 import torch
+from dist_utils import run_distributed
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_distributed  # noqa: E402
-from utils import assert_close  # noqa: E402
-
-from cp_rope.launch.config import ConfigError, ModelConfig, PretrainConfig, validate  # noqa: E402
-from cp_rope.launch.model import Transformer  # noqa: E402
-from cp_rope.parallel import PackingCollator, cp_cross_entropy  # noqa: E402
+from cp_rope.launch.config import ConfigError, ModelConfig, PretrainConfig, validate
+from cp_rope.launch.model import Transformer
+from cp_rope.parallel import PackingCollator, cp_cross_entropy
 
 V = 61
 
@@ -236,3 +231,46 @@ def test_hf_tiling_is_undone_and_bad_tile_names_the_argument():
     with pytest.raises(ValueError, match="mlp_tile_tokens"):
         H.patch_model(m.lm, mlp_tile_tokens=0)
     assert getattr(m.lm, "cp_rope_patch", None) is None  # refused before patching anything
+
+
+# ------------------------------------------------------------------ tiled_mlp's bad input (round 3)
+
+def _tiled(fn, x, tile=3, params=(), **kw):
+    from cp_rope.parallel import tiled_mlp
+    return tiled_mlp(fn, x, tile, list(params), **kw)
+
+
+@pytest.mark.parametrize("shape,dim", [((10, 8), 5), ((10,), -2), ((10, 8), 2)])
+def test_tiled_mlp_dim_not_a_dimension(shape, dim):
+    lin = torch.nn.Linear(8, 8)
+    with pytest.raises(ValueError, match=rf"dim={dim}: not a dimension of x"):
+        _tiled(lin, torch.randn(shape, requires_grad=True), params=lin.parameters(), dim=dim)
+
+
+def test_tiled_mlp_fn_not_position_wise():
+    x = torch.randn(10, 8, requires_grad=True)
+    with pytest.raises(ValueError, match=r"fn: not position-wise along dim=0"):
+        _tiled(lambda t: t[:1] * 2, x)
+
+
+@pytest.mark.parametrize("fn,params,match", [(None, (), r"fn must be callable"),
+                                             (torch.tanh, (1.0,), r"params must be tensors")])
+def test_tiled_mlp_fn_or_params_of_the_wrong_type(fn, params, match):
+    with pytest.raises(TypeError, match=match):
+        _tiled(fn, torch.randn(10, 8, requires_grad=True), params=params)
+
+
+def test_numpy_integers_for_chunk_size_and_tile_tokens():
+    """Integers of numpy (a config read with numpy, a sweep) are ints, as everywhere in cp_rope."""
+    import numpy as np
+
+    from cp_rope.parallel import cp_linear_cross_entropy
+    g = torch.Generator().manual_seed(3)
+    h, w = torch.randn(6, 8, dtype=torch.float64, generator=g), torch.randn(11, 8, dtype=torch.float64,
+                                                                            generator=g)
+    labels = torch.randint(0, 11, (6,), generator=g)
+    ref = cp_linear_cross_entropy(h, w, labels, chunk_size=4)
+    assert torch.equal(cp_linear_cross_entropy(h, w, labels, chunk_size=np.int64(4)), ref)
+    lin = torch.nn.Linear(8, 8)
+    x = torch.randn(10, 8, requires_grad=True)
+    assert torch.equal(_tiled(lin, x, np.int64(3), lin.parameters()), _tiled(lin, x, 3, lin.parameters()))

@@ -44,3 +44,23 @@ def test_cache_moves_to_the_inputs_device_once():
     rope(q, q.clone(), cu)
     assert rope.cos is cos  # reused, not copied again
     assert torch.equal(cos.cpu(), rope_cache(256, 8)[0])
+
+
+# ------------------------------------------------------------------ RotaryEmbedding's bad input (round 3)
+
+@pytest.mark.parametrize("kw,match", [({"scaling": "linear"}, r"scaling must be a mapping"),
+                                      ({"interleaved": "no"}, r"interleaved must be a bool")])
+def test_rotary_embedding_argument_types(kw, match):
+    from cp_rope import RotaryEmbedding
+    with pytest.raises(TypeError, match=match):
+        RotaryEmbedding(8, 64, **kw)
+
+
+def test_rope_max_position_id_without_explicit_positions_names_them():
+    """The positions come from cu_seqlens here: the error must not name start_positions."""
+    from cp_rope import RotaryEmbedding
+    rope = RotaryEmbedding(8, 64)
+    q, k = torch.randn(12, 4, 8), torch.randn(12, 2, 8)
+    with pytest.raises(ValueError, match=r"^positions \(from cu_seqlens\): position 6 exceeds "
+                                         r"max_position_id \(3\)"):
+        rope(q, k, torch.tensor([0, 5, 12], dtype=torch.int32), max_position_id=3)

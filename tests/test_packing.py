@@ -615,3 +615,34 @@ def test_bad_packed_iterable_dataset_one_shot_source():
 def test_collator_pad_id_and_ignore_index_accept_numpy_ints():
     b = PackingCollator(pad_id=np.int64(7), ignore_index=np.int32(-1))([[1, 2, 3]])
     assert b.input_ids.tolist() == [1, 2, 3, 7] and b.labels.tolist() == [2, 3, -1, -1]
+
+
+# ------------------------------------------------------------------ the sampler's state (the issue-15 catalogue)
+
+def _sampler():
+    return TokenBudgetBatchSampler(np.arange(1, 40) * 3, 64, cp_size=2, seed=3)
+
+
+def test_sampler_batches_consumed_float():
+    s = _sampler()
+    state = dict(s.state_dict(), batches_consumed=1.7)
+    with pytest.raises(TypeError, match=r"batches_consumed"):
+        s.load_state_dict(state)
+
+
+def test_sampler_failed_load_leaves_it_unchanged():
+    """A refused state (epoch=-1) leaves the sampler exactly as it was (its docstring's promise)."""
+    def started():  # epoch 2, one batch taken
+        sampler = _sampler()
+        sampler.set_epoch(2)
+        it = iter(sampler)
+        next(it)
+        return sampler, it
+
+    (s, it), (twin, twin_it) = started(), started()
+    before = s.state_dict()
+    with pytest.raises(ValueError, match=r"epoch"):
+        s.load_state_dict(dict(before, epoch=-1))
+    assert s.state_dict() == before
+    assert list(it) == list(twin_it)  # the running epoch goes on as the twin's
+    assert list(iter(s)) == list(iter(twin))

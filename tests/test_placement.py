@@ -23,6 +23,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import naive_attention
 from dist_utils import run_distributed
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -306,8 +307,6 @@ def _cases(cp):
 
 
 def _attention_case(rank, group, cp, lengths, threshold, causal, method, seed, reuse_plan):
-    from test_attention import naive_attention
-
     from cp_rope.parallel import unshard
     from cp_rope.parallel.per_document import PerDocumentPlan, per_document_attention
 
@@ -377,8 +376,6 @@ def test_attention_matches_single_process():
 def test_simulated_plan_runs_whole_documents_exactly():
     """PerDocumentPlan.simulated (for one-GPU scaling studies) needs no process group; its
     whole-document rows are real local attention, so they equal single-process attention."""
-    from test_attention import naive_attention
-
     from cp_rope.parallel import PerDocumentPlan, per_document_attention
 
     gen = torch.Generator().manual_seed(5)

@@ -319,3 +319,39 @@ def test_config_reads_the_one_list_of_each_choice():
     cfg.parallel.attn_backend, cfg.train.device = "cudnn", "cpu"
     with pytest.raises(ConfigError, match="parallel.attn_backend='cudnn': needs CUDA"):
         validate(cfg, 1)
+
+
+# ------------------------------------------------------------------ plans changed in place or copied (round 3)
+
+def _zigzag_and_per_document_plans():
+    from cp_rope.parallel import attention_plan, place_documents
+    kw = dict(q_heads=4, kv_heads=2, head_dim=8, dtype=torch.float32)
+    return [attention_plan(torch.tensor([0, 6, 12], dtype=torch.int32), 6, **kw),
+            attention_plan(place_documents(torch.tensor([0, 6, 14, 22], dtype=torch.int32), 1, 6),
+                           **kw)]
+
+
+@pytest.mark.parametrize("which", [0, 1])
+def test_plan_rope_positions_changed_in_place(which):
+    """rope_args() hands out the plan's cached positions: changing them in place is refused at
+    the next call like a changed cu_seqlens (RoPE of every later layer would use them)."""
+    from cp_rope.parallel import context_parallel_attention
+    plan = _zigzag_and_per_document_plans()[which]
+    t = plan.n_tokens
+    q, k, v = torch.randn(t, 4, 8), torch.randn(t, 2, 8), torch.randn(t, 2, 8)
+    context_parallel_attention(q, k, v, plan=plan)
+    plan.rope_args()["position_ids"][1] += 5
+    with pytest.raises(ValueError, match=r"plan: its cu_seqlens / seq_lens / positions were "
+                                         r"changed in place"):
+        context_parallel_attention(q, k, v, plan=plan)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_plan_cannot_be_copied(how):
+    import copy
+    import pickle
+    fn = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    for plan in _zigzag_and_per_document_plans():
+        with pytest.raises(TypeError, match=r"plan: a (CPAttentionPlan|PerDocumentPlan) cannot "
+                                            r"be copied or pickled"):
+            fn(plan)

@@ -193,3 +193,27 @@ def test_memory_timeline_marks_every_layer_and_phase(tmp_path):
                               "--tiny", *bad], cwd=tmp_path, env=env, capture_output=True,
                              text=True, timeout=120)
         assert out.returncode == 2 and why in out.stderr, out.stderr[-1000:]
+
+
+# ------------------------------------------------------------------ the command line's bad flags (round 3)
+
+@pytest.mark.parametrize("flags,match", [
+    (["--gpu-memory-gib", "nan"], r"--gpu-memory-gib must be a finite number > 0"),
+    (["--gpu-memory-gib", "inf"], r"--gpu-memory-gib must be a finite number > 0"),
+    (["--host-memory-gib", "-3"], r"--host-memory-gib must be a finite number >= 0"),
+    (["--mlp-tile-tokens", "-1"], r"--mlp-tile-tokens must be >= 0"),
+    (["--vocab-size", "-1"], r"--vocab-size must be >= 0"),
+    (["--doc-len", "-2"], r"--doc-len must be >= 0"),
+    (["--doc-len", "9000"], r"--doc-len must be <= --seq-len"),
+    (["--preset", "huge"], r"preset='huge': expected one of"),
+    (["--preset", None, "--model", "/nonexistent"], r"model='/nonexistent': no config\.json"),
+])
+def test_plan_memory_flags(capsys, flags, match):
+    from cp_rope.launch.plan_memory import main as plan_memory
+    argv = ["--preset", "tiny", "--seq-len", "4096", *flags]
+    if None in argv:  # --model instead of --preset
+        argv = ["--seq-len", "4096", *flags[2:]]
+    with pytest.raises(SystemExit) as exc:
+        plan_memory(argv)
+    assert exc.value.code == 2
+    assert __import__("re").search(match, capsys.readouterr().err)

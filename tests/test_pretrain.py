@@ -6,22 +6,23 @@ import dataclasses
 import json
 import os
 import re
+import shutil
 import signal
+import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_distributed
+from utils import tiny_pretrain_argv
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dist_utils import run_distributed  # noqa: E402
-from utils import tiny_pretrain_argv  # noqa: E402
-
-from cp_rope.launch import pretrain  # noqa: E402
-from cp_rope.launch.cli import parse_args  # noqa: E402
-from cp_rope.launch.config import (  # noqa: E402
+from cp_rope.launch import checkpoint as ckpt
+from cp_rope.launch import pretrain
+from cp_rope.launch.cli import parse_args
+from cp_rope.launch.config import (
     SECTIONS,
     ConfigError,
     ModelConfig,
@@ -31,10 +32,10 @@ from cp_rope.launch.config import (  # noqa: E402
     to_dict,
     validate,
 )
-from cp_rope.launch.model import Transformer  # noqa: E402
-from cp_rope.launch.optim import lr_lambda  # noqa: E402
-from cp_rope.launch.parallelize import apply_activation_checkpointing  # noqa: E402
-from cp_rope.launch.pretrain import main  # noqa: E402
+from cp_rope.launch.model import Transformer
+from cp_rope.launch.optim import lr_lambda
+from cp_rope.launch.parallelize import apply_activation_checkpointing
+from cp_rope.launch.pretrain import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -377,3 +378,127 @@ def test_resume_with_more_steps_follows_the_new_schedule(tmp_path, capsys):
     done = main(TINY + ["--steps", "5", "--resume", "--out-dir", str(tmp_path / "ext")])
     assert done["steps_run"] == 0 and done["start_step"] == 6
     assert "nothing to train: resumed at step 6, train.steps=5" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ run directories, resume of damaged run files, signals (issue-15 and round-3 catalogues)
+SMALL = tiny_pretrain_argv(seq_len=64, tokens_per_batch=256, max_docs=16)  # the bad-input runs' size
+
+
+def _copy(run, tmp_path) -> str:
+    return str(shutil.copytree(run, tmp_path / "run"))
+
+
+def test_resume_with_config_json_missing(finished_run, tmp_path):
+    run = _copy(finished_run, tmp_path)
+    os.remove(os.path.join(run, "config.json"))
+    with pytest.raises(ConfigError, match=r"config\.json.*missing"):
+        main(SMALL + ["--steps", "2", "--resume", "--lr", "0.1", "--out-dir", run])
+
+
+def test_resume_with_corrupt_config_json(finished_run, tmp_path):
+    run = _copy(finished_run, tmp_path)
+    with open(os.path.join(run, "config.json"), "r+") as f:
+        f.truncate(40)
+    with pytest.raises(ConfigError, match=r"config\.json.*not valid JSON"):
+        main(SMALL + ["--steps", "2", "--resume", "--out-dir", run])
+
+
+def test_metrics_jsonl_truncated_last_line(finished_run, tmp_path):
+    """A last line cut by a crash mid-write is dropped on resume, with a warning (documented
+    repair); the resumed run appends valid lines."""
+    run = _copy(finished_run, tmp_path)
+    metrics = os.path.join(run, "metrics.jsonl")
+    with open(metrics, "a") as f:
+        f.write('{"step": 2, "loss": 5.')
+    with pytest.warns(UserWarning, match=r"metrics\.jsonl.*line 2.*truncated"):
+        main(SMALL + ["--steps", "2", "--resume", "--out-dir", run])
+    with open(metrics) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2]
+
+
+def test_out_dir_is_a_file(tmp_path):
+    f = tmp_path / "out"
+    f.write_text("not a directory")
+    with pytest.raises(ConfigError, match=r"--out-dir.*out.*not a directory"):
+        main(SMALL + ["--steps", "1", "--out-dir", str(f)])
+
+
+def test_out_dir_read_only(tmp_path):
+    if os.geteuid() == 0:  # root writes through permission bits; sysfs refuses everyone
+        out = "/sys/cp-rope-run"
+    else:
+        (tmp_path / "ro").mkdir(mode=0o555)
+        out = str(tmp_path / "ro" / "run")
+    with pytest.raises(ConfigError, match=rf"--out-dir.*{out}.*cannot"):
+        main(SMALL + ["--steps", "1", "--out-dir", out])
+
+
+def test_disk_too_full_for_a_checkpoint(tmp_path, monkeypatch):
+    """A file system without room for one checkpoint fails before step 1, not at the end."""
+    class Usage:
+        free = 1000
+    monkeypatch.setattr(ckpt.shutil, "disk_usage", lambda p: Usage)
+    with pytest.raises(ConfigError, match=r"--out-dir.*a checkpoint needs about .* free"):
+        main(SMALL + ["--steps", "1", "--out-dir", str(tmp_path)])
+    assert not os.path.exists(tmp_path / "metrics.jsonl") or not open(tmp_path / "metrics.jsonl").read()
+
+
+def test_resume_with_bpe_vocab_size_of_a_bytes_run(tmp_path):
+    """--bpe-vocab-size is read only by a BPE run: a bytes run resumes whatever its value."""
+    main(SMALL + ["--steps", "1", "--out-dir", str(tmp_path)])
+    summary = main(SMALL + ["--steps", "2", "--resume", "--bpe-vocab-size", "8000",
+                           "--out-dir", str(tmp_path)])
+    assert (summary["start_step"], summary["steps_run"]) == (1, 1)
+
+
+_STUCK_DRIVER = r"""
+import os, sys, time, datetime
+import torch.distributed as dist
+from cp_rope.launch import pretrain
+
+rank = int(os.environ["RANK"])
+if rank == 1:  # never reaches the loss all-reduce of step 2: rank 0 waits in the collective
+    step = pretrain.train_step
+    calls = []
+    def stuck(*a, **k):
+        calls.append(1)
+        if len(calls) == 2:
+            time.sleep(600)
+        return step(*a, **k)
+    pretrain.train_step = stuck
+pretrain.main(sys.argv[1:])
+"""
+
+
+def test_sigterm_while_stuck_in_a_collective(tmp_path):
+    """Rank 0 waits in a collective for a stuck rank 1; SIGTERM makes it exit after the grace
+    period (not at the process-group timeout or torchrun's SIGKILL), saying why."""
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    argv = SMALL + ["--steps", "50", "--cp-size", "2", "--stop-grace-s", "2",
+                   "--out-dir", str(tmp_path)]
+    procs = [subprocess.Popen([sys.executable, "-c", _STUCK_DRIVER, *argv], cwd=REPO,
+                              env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in range(2)]
+    try:
+        lines = []
+        for line in procs[0].stdout:  # step 1 done on both ranks; rank 1 hangs in step 2
+            lines.append(line)
+            if line.startswith("step"):
+                break
+        time.sleep(1.0)
+        t0 = time.monotonic()
+        procs[0].send_signal(signal.SIGTERM)
+        out = "".join(lines) + procs[0].communicate(timeout=60)[0]
+        waited = time.monotonic() - t0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[0].returncode != 0 and waited < 20, (procs[0].returncode, waited, out)
+    assert re.search(r"SIGTERM.*did not finish within 2", out), out

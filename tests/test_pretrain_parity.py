@@ -18,28 +18,24 @@ against a single-GPU run with the same bf16 policy, bf16 tolerances)::
 from __future__ import annotations
 
 import os
-import sys
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from dist_utils import run_distributed
+from utils import assert_close
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dist_utils import run_distributed  # noqa: E402
-from utils import assert_close  # noqa: E402
-
-from cp_rope.launch.config import (  # noqa: E402
+from cp_rope.launch.config import (
     ModelConfig,
     ParallelConfig,
     PretrainConfig,
     TrainConfig,
 )
-from cp_rope.launch.model import Transformer  # noqa: E402
-from cp_rope.launch.parallelize import apply_fsdp, checkpoint_mode, parallelize  # noqa: E402
-from cp_rope.launch.pretrain import train_step  # noqa: E402
-from cp_rope.parallel import PackingCollator, shard_batch  # noqa: E402
-from cp_rope.parallel.mesh import ParallelDims  # noqa: E402
+from cp_rope.launch.model import Transformer
+from cp_rope.launch.parallelize import apply_fsdp, checkpoint_mode, parallelize
+from cp_rope.launch.pretrain import train_step
+from cp_rope.parallel import PackingCollator, shard_batch
+from cp_rope.parallel.mesh import ParallelDims
 
 VOCAB = 61
 

@@ -12,26 +12,23 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from dist_utils import run_distributed
+from utils import tiny_pretrain_argv
 
-sys.path.insert(0, os.path.dirname(__file__))
-
-from dist_utils import run_distributed  # noqa: E402
-from utils import tiny_pretrain_argv  # noqa: E402
-
-from cp_rope.launch import plot  # noqa: E402
-from cp_rope.launch.cli import parse_args  # noqa: E402
-from cp_rope.launch.config import ConfigError, DataConfig, validate  # noqa: E402
-from cp_rope.launch.data import (  # noqa: E402
+from cp_rope.launch import plot
+from cp_rope.launch.cli import parse_args
+from cp_rope.launch.config import ConfigError, DataConfig, validate
+from cp_rope.launch.data import (
     Corpus,
     eval_doc_count,
     held_out_ids,
     load_corpus,
     split_corpus,
 )
-from cp_rope.launch.metrics import StepStats, bits_per_byte, cp_rank_work  # noqa: E402
-from cp_rope.launch.pretrain import main  # noqa: E402
-from cp_rope.launch.tokenizer import prepare_corpora, token_byte_lengths, train_bpe  # noqa: E402
-from cp_rope.parallel import PackingCollator  # noqa: E402
+from cp_rope.launch.metrics import StepStats, bits_per_byte, cp_rank_work
+from cp_rope.launch.pretrain import main
+from cp_rope.launch.tokenizer import prepare_corpora, token_byte_lengths, train_bpe
+from cp_rope.parallel import PackingCollator
 
 tokenizers = pytest.importorskip("tokenizers")
 # the launch tests' tiny model, with this file's subjects switched back on
@@ -297,3 +294,30 @@ def test_eval_docs_and_bpe_size_bad_values():
         _cfg(["--eval-docs", "-1"])
     with pytest.raises(ConfigError, match=r"data\.bpe_vocab_size=100"):
         _cfg(["--bpe-vocab-size", "100"])
+
+
+# ------------------------------------------------------------------ plots of damaged or odd inputs (round 3)
+
+@pytest.fixture(scope="module")
+def logged_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("logged")
+    rec = {"step": 1, "loss": 5.0, "lr": 1e-3, "tokens_per_s_per_gpu": 10.0, "peak_mem_gib": 0.1}
+    (d / "metrics.jsonl").write_text(json.dumps(rec) + "\n" + json.dumps({**rec, "step": 2}) + "\n")
+    return d
+
+
+def test_plot_out_without_extension_names_the_file_written(logged_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    from cp_rope.launch.plot import plot_runs
+    target = tmp_path / "report"
+    assert plot_runs([str(logged_run)], str(target)) == str(target) + ".png"
+    assert os.path.isfile(str(target) + ".png")
+    with pytest.raises(ValueError, match=r"out=.*is a directory"):
+        plot_runs([str(logged_run)], str(tmp_path))
+
+
+def test_plot_damaged_metrics_says_damaged(tmp_path):
+    from cp_rope.launch.plot import load_metrics
+    (tmp_path / "metrics.jsonl").write_text("{not json\n{nor this\n")
+    with pytest.raises(ValueError, match=r"metrics\.jsonl: 2 lines are not JSON records"):
+        load_metrics(str(tmp_path))

@@ -448,3 +448,21 @@ def test_double_backward(backend):
     assert_close(g, rope_reference(w.detach(), cos, sin, cu, conjugate=True), name="R^T w")
     (gw,) = torch.autograd.grad(g.sum(), w)
     assert_close(gw, rope_reference(torch.ones_like(x), cos, sin, cu), name="R 1")
+
+
+# ------------------------------------------------------------------ max_seqlen below the longest sequence (after issue 15)
+
+def test_rope_max_seqlen_below_longest_sequence():
+    """(Found after issue 15, so not in CATALOGUE: it was silent.) max_seqlen is the host
+    bound the cache check uses: one below the longest local sequence (CPU cu_seqlens, read
+    anyway) is refused, naming max_seqlen."""
+    from cp_rope import apply_rotary_emb, apply_rotary_emb_qk
+    cos, sin = rope_cache(64, 8)
+    q, k = torch.randn(20, 2, 8), torch.randn(20, 1, 8)
+    cu = torch.tensor([0, 8, 20], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"max_seqlen = 11 is below the longest local sequence \(12\)"):
+        apply_rotary_emb_qk(q, k, cos, sin, cu, max_seqlen=11)
+    with pytest.raises(ValueError, match=r"max_seqlen = 6 is below"):
+        apply_rotary_emb(q, cos, sin, cu, max_seqlen=6, cp_size=2, cp_rank=1)
+    out = apply_rotary_emb(q, cos, sin, cu, max_seqlen=12)  # exact bound: fine
+    assert torch.equal(out, apply_rotary_emb(q, cos, sin, cu))

@@ -244,3 +244,27 @@ def test_numpy_ints_accepted():
     assert cos.shape == (12, 4) and torch.equal(cos, rope_cache(12, 8)[0])
     with pytest.raises(TypeError, match="max_positions must be an int"):
         rope_cache(12.0, 8)
+
+
+# ------------------------------------------------------------------ bad input (the issue-15 catalogue)
+
+def test_rope_cache_base_inf():
+    with pytest.raises(ValueError, match=r"base must be finite"):
+        rope_cache(16, 8, base=math.inf)
+
+
+def test_rope_cache_scaling_factor_inf():
+    with pytest.raises(ValueError, match=r"factor.*finite"):
+        rope_cache(16, 8, scaling={"rope_type": "linear", "factor": math.inf})
+
+
+def test_rope_cache_base_str():
+    with pytest.raises(TypeError, match=r"base must be a real number"):
+        rope_cache(16, 8, base="10000")
+
+
+def test_rope_cache_numpy_int_max_positions():
+    """numpy ints are ints here as everywhere (cp_size accepts them): same tables as int 10."""
+    cos, sin = rope_cache(np.int64(10), 8)
+    ref_cos, ref_sin = rope_cache(10, 8)
+    assert torch.equal(cos, ref_cos) and torch.equal(sin, ref_sin)

@@ -4,19 +4,15 @@ seconds, and leaves the RNG state alone."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from dist_utils import run_distributed
 
-sys.path.insert(0, os.path.dirname(__file__))
-from dist_utils import run_distributed  # noqa: E402
-
-from cp_rope.parallel import _blocks  # noqa: E402
-from cp_rope.parallel._self_test import SelfTestError, self_test  # noqa: E402
+from cp_rope.parallel import _blocks
+from cp_rope.parallel._self_test import SelfTestError, self_test
 
 
 def test_cp1_passes_and_keeps_rng_state():
@@ -104,3 +100,38 @@ def _trainer_body(rank, world, tmp):
 
 def test_training_losses_equal_with_the_self_test_on_and_off(tmp_path):
     run_distributed(_trainer_body, 2, str(tmp_path))
+
+
+# ------------------------------------------------------------------ bad input (round 3)
+
+def _self_test_disagreement_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import SelfTestError, self_test
+    g = dist.group.WORLD
+    # a rank-local refusal before the CP run: every rank gets the error, none waits
+    with pytest.raises(SelfTestError, match=r"rank 1: ValueError: head_dim=7"):
+        self_test(g, head_dim=32 if rank == 0 else 7)
+    # the test's own seed must agree (else each rank builds other data and CP is blamed)
+    with pytest.raises(SelfTestError, match=r"seed differs across the ranks: \[0, 1\]"):
+        self_test(g, seed=rank)
+    assert self_test(g).errors  # still usable
+
+
+def test_self_test_arguments_agree_across_ranks():
+    from dist_utils import run_distributed
+    run_distributed(_self_test_disagreement_body, 2, timeout_s=30)
+
+
+@pytest.mark.parametrize("kw,match", [
+    ({"device": "cuda"}, r"device='cuda': CUDA is not available"),
+    ({"seed": "a"}, r"TypeError: seed must be an int, got str"),
+    ({"dtype": torch.int32}, r"TypeError: dtype must be one of"),
+    ({"head_dim": 0}, r"ValueError: head_dim=0: must be an even int >= 2"),
+])
+def test_self_test_own_arguments(kw, match):
+    from cp_rope.parallel import SelfTestError, self_test
+    if "device" in kw and torch.cuda.is_available():
+        pytest.skip("the case of a build without CUDA")
+    with pytest.raises(SelfTestError, match=match):
+        self_test(**kw)

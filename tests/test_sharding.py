@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import cp_rope
 from cp_rope.parallel import (
+    PackedBatch,
     PackingCollator,
     cp_shard_indices,
     shard_batch,
@@ -119,7 +120,8 @@ def test_bad_cp_args_and_lengths():
 
 
 def _unshard_body(rank, world_size):
-    """CP groups {0,1}, {2,3} (cp_size 2) and the world (cp_size 4), one spawn."""
+    """CP groups {0,1}, {2,3} (cp_size 2) and the world (cp_size 4), one spawn; then local
+    lengths that differ across the ranks."""
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     world = dist.group.WORLD
     lengths = [1, 7, 16, 0, 3, 9, 1]
@@ -138,6 +140,12 @@ def _unshard_body(rank, world_size):
         s = PackingCollator(cp_size=cp_size, cp_rank=cp_rank)(docs)
         assert torch.equal(unshard(s.labels, s.cu_seqlens, group), g.labels)
         assert torch.equal(unshard(s.position_ids, s.cu_seqlens, group), g.position_ids)
+    # different local lengths across the ranks (8, 12, 16, 20 rows): a ValueError naming the
+    # ranks' cu_seqlens on every rank (issue 15: a raw gloo error), and the group still works
+    n = 8 + 4 * rank
+    with pytest.raises(ValueError, match=r"cu_seqlens.*rank"):
+        unshard(torch.randn(n, 2), torch.tensor([0, n], dtype=torch.int32))
+    dist.barrier()
 
 
 def test_unshard_distributed_cp2_and_cp4():
@@ -173,3 +181,36 @@ def test_bad_shard_tensor_rows():
 def test_bad_shard_batch_argument_type():
     with pytest.raises(TypeError, match="batch must be a PackedBatch"):
         shard_batch({"input_ids": torch.arange(4)}, 2, 0)
+
+
+# ------------------------------------------------------------------ bad input (the issue-15 catalogue)
+
+def test_unshard_float_cu_seqlens():
+    with pytest.raises(TypeError, match=r"cu_seqlens"):
+        unshard(torch.randn(8, 2), torch.tensor([0.0, 4.0, 8.0]))
+
+
+def test_unshard_decreasing_cu_seqlens():
+    with pytest.raises(ValueError, match=r"cu_seqlens.*(decreas|non-decreasing)"):
+        unshard(torch.randn(8, 2), torch.tensor([0, 6, 4, 8], dtype=torch.int32))
+
+
+def _global_batch(lengths=(8, 12), max_seqlen=None):
+    cu = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    t = int(cu[-1])
+    return PackedBatch(input_ids=torch.randint(0, 100, (t,)), labels=torch.randint(0, 100, (t,)),
+                       position_ids=torch.cat([torch.arange(n) for n in lengths]), cu_seqlens=cu,
+                       max_seqlen=max(lengths) if max_seqlen is None else max_seqlen,
+                       seq_lens=torch.tensor(lengths, dtype=torch.int32))
+
+
+def test_shard_batch_wrong_max_seqlen():
+    with pytest.raises(ValueError, match=r"max_seqlen"):
+        shard_batch(_global_batch(max_seqlen=4), 2, 0)
+
+
+def test_shard_batch_labels_shorter():
+    batch = _global_batch()
+    batch.labels = batch.labels[:-3]
+    with pytest.raises(ValueError, match=r"labels"):
+        shard_batch(batch, 2, 0)

@@ -12,7 +12,7 @@
   (``seq_lens``); zero-length, one-token and one-token-per-chunk documents,
   trailing padding rows; random batches from ``PackingCollator``; the GPU block
   backends' glue (flash varlen, cuDNN THD, torch cuDNN) through the fake kernels
-  of ``tests/test_attention.py``; a reused
+  of ``tests/attention_utils.py``; a reused
   plan; float32 inputs within the float32 tolerances; the LSE equals the ring's; ``comm_volume`` equals the bytes counted at the
   exchanges (ring, ulysses, hybrid; bf16). The same world checks that a bad
   ``ulysses_size``, heads that do not split and inputs that differ between
@@ -28,8 +28,8 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import install_fake_kernels, make_case, naive_attention
 from dist_utils import run_distributed
-from test_attention import _install_fake_kernels, _make_case, naive_attention
 from utils import assert_close
 
 from cp_rope.parallel import (
@@ -142,7 +142,7 @@ def _run(group, rank, cp_size, tensors, cu, causal, seq_lens, extra, backend="re
 
 
 def _parity_body(rank, world_size):
-    _install_fake_kernels()  # the GPU backends' glue on CPU (see tests/test_attention.py)
+    install_fake_kernels()  # the GPU backends' glue on CPU (see tests/attention_utils.py)
     world = dist.group.WORLD
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes both
     pair = pairs[rank // 2]
@@ -168,7 +168,7 @@ def _parity_body(rank, world_size):
         r = dist.get_rank(group)
         seed = 500 + ci + (100 * (rank // 2) if C == 2 else 0)  # the two pairs differ
         if source in ("pool", "one"):
-            lens, cu, tensors = _make_case(seed, C, hq, hkv, d, one_seq=source == "one")
+            lens, cu, tensors = make_case(seed, C, hq, hkv, d, one_seq=source == "one")
         else:
             lens, cu, tensors = _collator_case(seed, C, hq, hkv, d)
         seq_lens = None if causal else torch.tensor(lens)
@@ -250,7 +250,7 @@ def _bytes_match_the_model(rank, group):
     shared kv heads' dK/dV)."""
     C, d = dist.get_world_size(group), 8
     for hq, hkv in ((8, 2), (8, 8)):
-        lens, cu, tensors = _make_case(950 + hkv, C, hq, hkv, d, one_seq=False)
+        lens, cu, tensors = make_case(950 + hkv, C, hq, hkv, d, one_seq=False)
         local_cu = local_cu_seqlens(cu, C)
         n = int(local_cu[-1])
         max_local = int((local_cu[1:] - local_cu[:-1]).max())
@@ -288,7 +288,7 @@ def _plan_reuse(rank, group):
     """A plan built once serves several calls (forward and backward) without collectives
     beyond the exchange; a call with another ulysses_size than the plan's is refused."""
     C = dist.get_world_size(group)
-    lens, cu, (q, k, v, dout) = _make_case(900, C, 8, 2, 8, one_seq=False)
+    lens, cu, (q, k, v, dout) = make_case(900, C, 8, 2, 8, one_seq=False)
     local_cu = local_cu_seqlens(cu, C)
     max_local = int((local_cu[1:] - local_cu[:-1]).max())
     loc = [shard_tensor(t, cu, C, rank) for t in (q, k, v, dout)]

@@ -1,7 +1,16 @@
 """Packed context parallelism for Hugging Face transformers models (extra ``hf``).
 
-Three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3, and
-Phi3 with its partial rotary; GQA included) into a packed, context-parallel one::
+In a transformers ``Trainer`` / TRL ``SFTTrainer`` script, one call does it all
+(:func:`cp_rope.hf.prepare`, :mod:`cp_rope.hf.trainer`; the ``trl`` extra)::
+
+    trainer = SFTTrainer(model=model, args=SFTConfig(packing=True, ...), train_dataset=ds)
+    trainer = cp_rope.hf.prepare(trainer, cp_size=C)
+    trainer.train()
+
+Without a Trainer, three calls turn a transformers causal LM (Llama, Mistral, Qwen2, Qwen3,
+Phi3 with its partial rotary, and the mixtures of experts Qwen3-MoE and Mixtral, whose
+router loss :mod:`cp_rope.hf.moe` computes over the CP group; GQA included) into a
+packed, context-parallel one::
 
     from cp_rope.hf import model_inputs, patch_model
     from cp_rope.parallel import PackingCollator, cp_cross_entropy
@@ -43,6 +52,8 @@ patch, the attention implementation, the RoPE dispatcher and ``model_inputs``;
 
 from __future__ import annotations
 
+import importlib
+
 from ._compat import MIN_TRANSFORMERS, SUPPORTED_FAMILIES, transformers
 from .loading import load_causal_lm, local_config
 from .patch import (
@@ -55,6 +66,17 @@ from .patch import (
     unpatch_model,
 )
 
-__all__ = ["patch_model", "unpatch_model", "model_inputs", "local_config", "load_causal_lm",
+_LAZY = {"prepare": "trainer"}  # transformers' Trainer and accelerate load on first use
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = ["prepare", "patch_model", "unpatch_model", "model_inputs", "local_config", "load_causal_lm",
            "cp_rope_attention", "PackedRope", "CPRopePatch", "SUPPORTED_FAMILIES",
            "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "transformers"]

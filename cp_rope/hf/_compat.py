@@ -39,9 +39,11 @@ from transformers import (  # noqa: E402
 )
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
+from transformers.models.mixtral import modeling_mixtral  # noqa: E402
 from transformers.models.phi3 import modeling_phi3  # noqa: E402
 from transformers.models.qwen2 import modeling_qwen2  # noqa: E402
 from transformers.models.qwen3 import modeling_qwen3  # noqa: E402
+from transformers.models.qwen3_moe import modeling_qwen3_moe  # noqa: E402
 
 # model_type -> (modeling module, attention class name, rotary embedding class name)
 FAMILIES = {
@@ -50,6 +52,9 @@ FAMILIES = {
     "phi3": (modeling_phi3, "Phi3Attention", "Phi3RotaryEmbedding"),  # partial rotary
     "qwen2": (modeling_qwen2, "Qwen2Attention", "Qwen2RotaryEmbedding"),
     "qwen3": (modeling_qwen3, "Qwen3Attention", "Qwen3RotaryEmbedding"),
+    # mixtures of experts: the MoE block is transformers' own (cp_rope.hf.moe: the router loss)
+    "qwen3_moe": (modeling_qwen3_moe, "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding"),
+    "mixtral": (modeling_mixtral, "MixtralAttention", "MixtralRotaryEmbedding"),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 

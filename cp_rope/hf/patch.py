@@ -162,10 +162,21 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if plan is None:
         raise ValueError("cp_rope_plan missing: the patched decoder builds it once per forward; "
                          "call the model (or its base model), not its layers alone")
+    dtype = _autocast_dtype(query.device)
+    if dtype is not None:  # as SDPA under autocast: q/k/v in the autocast dtype (Qwen3's q/k
+        query, key, value = (x.to(dtype) for x in (query, key, value))  # norms return fp32)
     out = context_parallel_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), plan=plan,
         softmax_scale=scaling)
     return out.unsqueeze(0), None
+
+
+def _autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """The autocast dtype on ``device``'s type when autocast is on there (transformers'
+    Trainer with ``bf16=True`` / ``fp16=True`` runs the forward under it), else None."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, cp_rope_attention)
@@ -389,7 +400,7 @@ def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
 
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
     weight = embed.weight  # the compute dtype (FSDP2 has cast the unsharded copy by now)
-    dtype = embeds.dtype if embeds is not None else weight.dtype
+    dtype = _autocast_dtype(pos.device) or (embeds.dtype if embeds is not None else weight.dtype)
     n_rows = (embeds if embeds is not None else ids).shape[1] if (
         embeds is not None or ids is not None) else None
     hq, hkv, d = patch.shape

@@ -50,11 +50,24 @@ def tile_mlps(model: nn.Module, tile_tokens: int) -> list[ForwardHandle]:
 def mlp_modules(model: nn.Module) -> list[nn.Module]:
     """The ``mlp`` of every decoder layer (``base_model.layers[i].mlp``) of ``model``.
 
-    Raises: ValueError naming ``mlp_tile_tokens`` when there is none.
+    Raises: ValueError naming ``mlp_tile_tokens`` when there is none, or when one is a
+    mixture-of-experts block (it has ``experts``; refused, see below).
+
+    A mixture-of-experts block is position-wise too, but its router's logits are recorded
+    by transformers inside the block for the load-balancing loss, which differentiates
+    them: the tiles' forward runs without autograd, so that loss would lose its gradient
+    (and the experts' token sets, which the tile splits, are decided by the router anyway).
     """
     layers = getattr(getattr(model, "base_model", model), "layers", None) or []
     mlps = [layer.mlp for layer in layers if isinstance(getattr(layer, "mlp", None), nn.Module)]
     if not mlps:
         raise ValueError("mlp_tile_tokens: the model has no decoder layers with an mlp "
                          "(base_model.layers[i].mlp) to tile")
+    moe = [type(m).__name__ for m in mlps if isinstance(getattr(m, "experts", None), nn.Module)]
+    if moe:
+        raise ValueError(f"mlp_tile_tokens: {moe[0]} is a mixture-of-experts block: its router "
+                         "logits (which the load-balancing loss differentiates) are recorded "
+                         "inside the block, and a tile's forward runs without autograd, so "
+                         "tiling would drop that loss's gradient; leave mlp_tile_tokens off "
+                         "for mixture-of-experts models")
     return mlps
