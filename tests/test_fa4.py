@@ -1,6 +1,6 @@
 """The ``fa4`` block backend and ``auto``'s per-length dispatch (parallel/_fa4.py), on the CPU.
 
-The glue runs over fake kernels (tests/fa4_utils.py for FA4, tests/test_attention.py's for
+The glue runs over fake kernels (tests/fa4_utils.py for FA4, tests/attention_utils.py's for
 cuDNN: both write NaN wherever their kernel need not write) in float64 and is compared with
 the float64 oracle (cp 1) and with the reference backend on the same plans (simulated ranks
 of cp 2: ring and all-gather blocks, skipped keys, keyless queries). Then the rule: the

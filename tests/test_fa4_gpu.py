@@ -20,7 +20,7 @@ import time
 
 import pytest
 import torch
-from test_attention import naive_attention, naive_lse
+from attention_utils import naive_attention, naive_lse
 from utils import assert_close
 
 from cp_rope.parallel import CPAttentionPlan, context_parallel_attention
