@@ -144,6 +144,16 @@ def save_calibration(cal: Calibration, path: str) -> None:
         json.dump(cal.to_dict(), f, indent=1)
 
 
+def _number(value, where: str, kind: type = float):
+    """A JSON number as ``kind``; TypeError naming ``where`` for a boolean (JSON's true is
+    no 1), a string or anything else (``int`` also refuses a fraction)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not isinstance(value, int)):
+        raise TypeError(f"{where} must be {'an int' if kind is int else 'a number'}, got "
+                        f"{type(value).__name__} {value!r}")
+    return kind(value)
+
+
 def load_calibration(path: str, device: torch.device | str | None = None, *,
                      check_machine: bool = True) -> Calibration:
     """Read a calibration JSON written by :func:`save_calibration` / ``python -m
@@ -170,18 +180,21 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
     fields = [f.name for f in dataclasses.fields(Calibration)]
     missing = [k for k in fields if k not in raw and k not in _OPTIONAL]
     for key in ("tile", "node_size"):
-        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1):
+        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1
+                                       and not isinstance(raw[key], bool)):
             missing.append(f"{key} (an int >= 1)")
     if missing:
         raise CalibrationError(f"calibration file {path!r}: missing {', '.join(missing)}")
     try:
-        keys = tuple(float(x) for x in raw["block_keys"])
-        tflops = {str(k): tuple(float(x) for x in v) for k, v in raw["tflops"].items()}
-        nums = {k: float(raw[k]) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
-                                            "p2p_gbps", "a2a_gbps", "collective_gbps",
-                                            "latency_us", "seg_ns", "internode_gbps")}
+        keys = tuple(_number(x, "block_keys[]") for x in raw["block_keys"])
+        tflops = {str(k): tuple(_number(x, f"tflops[{k}][]") for x in v)
+                  for k, v in raw["tflops"].items()}
+        nums = {k: _number(raw[k], k) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
+                                                 "p2p_gbps", "a2a_gbps", "collective_gbps",
+                                                 "latency_us", "seg_ns", "internode_gbps")}
         tile, node_size = int(raw["tile"]), int(raw["node_size"])
-        crossover = {int(k): int(v) for k, v in raw.get("crossover", {}).items()}
+        crossover = {int(k): _number(v, f"crossover[{k}]", int)
+                     for k, v in raw.get("crossover", {}).items()}
         fa4_version = str(raw.get("fa4_version", ""))
     except (TypeError, ValueError, AttributeError) as exc:
         raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
