@@ -101,13 +101,19 @@ class Throughput(transformers.TrainerCallback):
         self.mark = None  # (time, tokens) at the end of step `warmup`
         self.end = None
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _now(self) -> tuple[float, int]:
         if self.cuda:
             torch.cuda.synchronize()
-        now = (time.perf_counter(), self.counter[0])
+        return time.perf_counter(), self.counter[0]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.warmup == 0:
+            self.mark = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.end = self._now()
         if state.global_step == self.warmup:
-            self.mark = now
-        self.end = now
+            self.mark = self.end
 
 
 def counting(collate, counter: list):

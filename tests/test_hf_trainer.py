@@ -5,7 +5,8 @@ Tiny random float32 Qwen3 and Llama models saved to a directory (tests/hf_traine
 never downloaded). The reference is the unmodified Trainer on one process (SDPA on TRL's
 padding-free rows; transformers' DataCollatorWithFlattening for the plain Trainer); the CP
 runs are spawned gloo worlds of 2 ranks (cp 2: Qwen3 and Llama SFT, per-document placement,
-plain Trainer with cp_rope's PackingCollator, checkpoint + resume, ranks that disagree) and
+plain Trainer with cp_rope's PackingCollator, gradient accumulation and checkpointing,
+bf16 autocast, evaluate(), checkpoint + resume, the example script, ranks that disagree) and
 of 4 ranks (dp 2 x cp 2, against one process with twice the gradient accumulation). Five
 optimizer steps with clipping (max_grad_norm=1) and a moving learning rate: the logged
 losses and gradient norms and the final weights agree to 1e-5 relative.
