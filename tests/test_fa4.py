@@ -132,10 +132,11 @@ def _plan(local_cu, cp_size, rank, method, **kw):
 
 
 @pytest.mark.parametrize("method,causal", [("ring", True), ("allgather", True),
-                                           ("ring", False)])
+                                           ("ring", False), ("ulysses", True)])
 def test_simulated_ranks_match_reference(fakes, method, causal):
-    """Each rank of cp 2 (its blocks run in turn, the partials merged): fa4 and auto equal
-    the reference backend on the same plan and inputs, exactly in float64."""
+    """Each rank of cp 2 (its blocks run in turn, the partials merged; ulysses: its
+    head-sharded blocks over loopback all-to-alls): fa4 and auto equal the reference backend
+    on the same plan and inputs, exactly in float64."""
     lens = [4] * 20 + [260 * 2] + [4] * 20 + [0] + [150 * 2] + [16] * 10 + [4]
     local = _cu([n // 2 for n in lens])
     kw = {} if causal else {"causal": False, "seq_lens": torch.tensor(lens)}
