@@ -3,9 +3,9 @@
 A local model directory (config.json, weights, tokenizer; never downloaded) and a local JSONL
 file (one document per line in ``--text-field``, tokenized by TRL with the directory's
 tokenizer), packed by TRL into rows of ``--seq-len`` tokens (``packing=True``, best-fit
-decreasing); each row is split over ``--cp-size`` ranks by cp_rope. The three lines that
-matter are marked ``# cp_rope``; ``--no-cp`` runs the same script without them (the
-single-process reference, or DP only).
+decreasing); each row is split over ``--cp-size`` ranks by cp_rope. The one call that
+matters is marked ``# cp_rope`` (``cp_rope.hf.prepare`` after the trainer is built);
+``--no-cp`` runs the same script without it (the single-process reference, or DP only).
 
 One process, CPU (float32, tiny model)::
 
