@@ -48,9 +48,9 @@ import datasets
 import torch
 import torch.distributed as dist
 import transformers
+import trl
 
 import cp_rope.hf
-import trl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
