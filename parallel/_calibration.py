@@ -88,16 +88,18 @@ def _table(peak: float, half: float, keys) -> tuple[float, ...]:
 # H200 constants, fitted by scripts/validate_cost_model.py --fit to the one-H200 rows (cp 1
 # and --simulate-cp) and the two-H200 cp 2 rows of docs/benchmarks.md (torch 2.11, cuDNN
 # frontend 1.32): TFLOP/s at 16 / 128 / 1024 / 8192 / 65536 keys per query row.
-# fa4: cuDNN's table times cuDNN / FA4 time on the layouts of issue 31 (one H200, flash-attn-4
-# 4.0.0b36, nvidia-cutlass-dsl 4.8.1; d 64 and 128 averaged: 0.75 at 128 keys per row (512 x
-# 256 tokens), 1.0 at 1024 (64 x 2048), 1.15 from 8192 (long documents)). The crossover: FA4
-# from 2048 query rows at head_dim 64, from 4096 at 128 (64 x 2048: FA4 0.97 / 1.03 of cuDNN).
+# fa4: cuDNN's table times cuDNN / FA4 time, fwd + bwd, measured side by side on one H200
+# (scripts/bench_cp_attention.py, 32 / 8 heads, flash-attn-4 4.0.0b36, nvidia-cutlass-dsl
+# 4.8.1, cuDNN 9.19, docs/benchmarks.md "FlashAttention-4"), d 64 and 128 averaged: 0.78 at
+# 128 keys per row (512 x 256 tokens), 1.06 at 1024 (64 x 2048), 1.19 from 8192 (long
+# documents). The crossover: FA4 from 1024 query rows (cuDNN faster at 256 rows by 1.26x /
+# 1.29x at d 64 / 128; FA4 faster at 1536 and 2048).
 _H200 = dict(
     block_keys=(16.0, 128.0, 1024.0, 8192.0, 65536.0),
     tflops={"cudnn": (243.7, 203.4, 503.6, 503.6, 546.3),
-            "fa4": (182.8, 152.6, 503.6, 579.1, 628.2),
+            "fa4": (190.1, 158.7, 533.8, 599.3, 650.1),
             "torch_flash": (31.3, 150.1, 285.2, 321.4, 326.6)},
-    crossover={64: 2048, 128: 4096}, fa4_version="4.0.0b36",
+    crossover={64: 1024, 128: 1024}, fa4_version="4.0.0b36",
     call_us=855.3, merge_bytes_per_row=41.27, hbm_gbps=4000.0, p2p_gbps=221.9, a2a_gbps=154.5,
     collective_gbps=88.1, latency_us=0.0, seg_ns=3.21, tile=128)
 
@@ -142,6 +144,16 @@ def save_calibration(cal: Calibration, path: str) -> None:
         json.dump(cal.to_dict(), f, indent=1)
 
 
+def _number(value, where: str, kind: type = float):
+    """A JSON number as ``kind``; TypeError naming ``where`` for a boolean (JSON's true is
+    no 1), a string or anything else (``int`` also refuses a fraction)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            kind is int and not isinstance(value, int)):
+        raise TypeError(f"{where} must be {'an int' if kind is int else 'a number'}, got "
+                        f"{type(value).__name__} {value!r}")
+    return kind(value)
+
+
 def load_calibration(path: str, device: torch.device | str | None = None, *,
                      check_machine: bool = True) -> Calibration:
     """Read a calibration JSON written by :func:`save_calibration` / ``python -m
@@ -168,18 +180,21 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
     fields = [f.name for f in dataclasses.fields(Calibration)]
     missing = [k for k in fields if k not in raw and k not in _OPTIONAL]
     for key in ("tile", "node_size"):
-        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1):
+        if key not in missing and not (isinstance(raw[key], int) and raw[key] >= 1
+                                       and not isinstance(raw[key], bool)):
             missing.append(f"{key} (an int >= 1)")
     if missing:
         raise CalibrationError(f"calibration file {path!r}: missing {', '.join(missing)}")
     try:
-        keys = tuple(float(x) for x in raw["block_keys"])
-        tflops = {str(k): tuple(float(x) for x in v) for k, v in raw["tflops"].items()}
-        nums = {k: float(raw[k]) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
-                                            "p2p_gbps", "a2a_gbps", "collective_gbps",
-                                            "latency_us", "seg_ns", "internode_gbps")}
+        keys = tuple(_number(x, "block_keys[]") for x in raw["block_keys"])
+        tflops = {str(k): tuple(_number(x, f"tflops[{k}][]") for x in v)
+                  for k, v in raw["tflops"].items()}
+        nums = {k: _number(raw[k], k) for k in ("call_us", "merge_bytes_per_row", "hbm_gbps",
+                                                 "p2p_gbps", "a2a_gbps", "collective_gbps",
+                                                 "latency_us", "seg_ns", "internode_gbps")}
         tile, node_size = int(raw["tile"]), int(raw["node_size"])
-        crossover = {int(k): int(v) for k, v in raw.get("crossover", {}).items()}
+        crossover = {int(k): _number(v, f"crossover[{k}]", int)
+                     for k, v in raw.get("crossover", {}).items()}
         fa4_version = str(raw.get("fa4_version", ""))
     except (TypeError, ValueError, AttributeError) as exc:
         raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc

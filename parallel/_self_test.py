@@ -173,15 +173,19 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
         raise SelfTestError(f"cp self-test ({_describe(setting)}): {local}")
     if C > 1:  # the data's CP position must be the group's, on every rank
         views: list = [None] * C
-        dist.all_gather_object(views, (data_rank, data_size, data_place, seed, local),
+        shapes = dict(seed=seed, method=method, backend=backend, placement=placement,
+                      ulysses_size=ulysses_size, split_threshold=split_threshold,
+                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype))
+        dist.all_gather_object(views, (data_rank, data_size, data_place, shapes, local),
                                group=group)
         refused = [f"rank {i}: {v[4]}" for i, v in enumerate(views) if v[4] is not None]
         if refused:
             raise SelfTestError(f"cp self-test ({_describe(setting)}): " + "; ".join(refused))
-        if len({v[3] for v in views}) > 1:
-            raise SelfTestError(f"cp self-test ({_describe(setting)}): seed differs across the "
-                                f"ranks: {[v[3] for v in views]} (every rank must build the "
-                                "same test batch)")
+        differ = [f"{k} differs across the ranks: {[v[3][k] for v in views]}" for k in shapes
+                  if len({repr(v[3][k]) for v in views}) > 1]
+        if differ:  # each rank would build other data or run another exchange: a gloo abort
+            raise SelfTestError(f"cp self-test ({_describe(setting)}): " + "; ".join(differ)
+                                + " (every rank must build the same test batch and attention)")
         bad = [f"group rank {i} holds data cp_rank {v[0]} of cp_size {v[1]} ({v[2]})"
                for i, v in enumerate(views) if v[:3] != (i, C, placement)]
         if bad:

@@ -15,10 +15,16 @@ Unlike ALST's version (which accumulates into ``param.grad`` itself), the
 parameter gradients leave through the autograd node's own outputs, so FSDP2's
 reduce-scatter hooks, gradient accumulation and tied weights behave as with an
 untiled module.
+
+Like ``torch.utils.checkpoint`` (its ``preserve_rng_state`` and autocast handling), the
+backward recomputes under the autocast state of the forward (the autograd engine runs
+backward without it) and from the RNG state the forward started from (a dropout in ``fn``
+draws the same masks again), restoring the caller's RNG state afterwards.
 """
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Callable, Sequence
 
@@ -38,12 +44,43 @@ def check_tile_tokens(tile_tokens, name: str = "tile_tokens") -> int:
     return tile_tokens
 
 
+def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype, bool]]:
+    """The autocast settings now in force for ``device_type`` and the CPU (what checkpoint
+    records): ``(device_type, enabled, dtype, cache_enabled)`` each."""
+    return [(d, torch.is_autocast_enabled(d), torch.get_autocast_dtype(d),
+             torch.is_autocast_cache_enabled()) for d in dict.fromkeys((device_type, "cpu"))]
+
+
+def _replay_rng(ctx) -> contextlib.ExitStack:
+    """The RNG state the forward started from, the caller's restored on exit."""
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.random.fork_rng(devices=ctx.rng_devices, device_type=ctx.device_type))
+    torch.set_rng_state(ctx.cpu_rng)
+    if ctx.device_rng is not None:
+        getattr(torch, ctx.device_type).set_rng_state(ctx.device_rng, ctx.rng_devices[0])
+    return stack
+
+
+def _autocast(ctx) -> contextlib.ExitStack:
+    """The forward's autocast state (backward runs without it)."""
+    stack = contextlib.ExitStack()
+    for d, enabled, dtype, cache in ctx.autocast:
+        stack.enter_context(torch.autocast(d, dtype=dtype, enabled=enabled, cache_enabled=cache))
+    return stack
+
+
 class _TiledMLP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, fn, tile, dim, x, *params):
         ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
         ctx.params = params  # the tensors themselves: fn reads them again in backward
         ctx.save_for_backward(x)
+        ctx.device_type = x.device.type
+        ctx.autocast = _autocast_state(x.device.type)
+        ctx.cpu_rng = torch.get_rng_state()
+        device = x.device.type != "cpu" and getattr(torch, x.device.type, None)
+        ctx.rng_devices = [x.device] if device else []
+        ctx.device_rng = device.get_rng_state(x.device) if device else None
         return _tiles(fn, tile, dim, x)
 
     @staticmethod
@@ -55,26 +92,34 @@ class _TiledMLP(torch.autograd.Function):
         grad_x = torch.empty_like(x) if need_x else None
         acc: list = [None] * len(params)  # per parameter: the sum over tiles, >= float32
         n = x.shape[dim]
-        for s in range(0, n, tile):
-            m = min(tile, n - s)
-            xt = x.narrow(dim, s, m).detach().requires_grad_(need_x)
-            with torch.enable_grad():
-                y = fn(xt)
-            grads = torch.autograd.grad(y, ([xt] if need_x else []) + params,
-                                        grad_out.narrow(dim, s, m), allow_unused=True)
-            if need_x:
-                grad_x.narrow(dim, s, m).copy_(grads[0])
-                grads = grads[1:]
-            for i, g in enumerate(grads):
-                if g is None:
-                    continue
-                if acc[i] is None:  # the first tile's gradient (a fresh tensor) starts the sum
-                    acc[i] = g.to(torch.promote_types(g.dtype, torch.float32))
-                else:
-                    acc[i] += g
+        with _replay_rng(ctx):  # the tiles draw in forward's order: the same masks again
+            for s in range(0, n, tile):
+                acc, grad_x = _tile_backward(ctx, fn, x, grad_out, dim, s, min(tile, n - s),
+                                             need_x, params, acc, grad_x)
         it = iter([torch.zeros_like(p) if a is None else a.to(p.dtype)
                    for a, p in zip(acc, params, strict=True)])
         return (None, None, None, grad_x, *[next(it) if need else None for need in need_p])
+
+
+def _tile_backward(ctx, fn, x, grad_out, dim, s, m, need_x, params, acc, grad_x):
+    """One tile of backward: recompute ``fn`` on rows ``[s, s + m)`` under the forward's
+    autocast, back-propagate their rows of ``grad_out``, add to the parameter sums."""
+    xt = x.narrow(dim, s, m).detach().requires_grad_(need_x)
+    with torch.enable_grad(), _autocast(ctx):
+        y = fn(xt)
+    grads = torch.autograd.grad(y, ([xt] if need_x else []) + params,
+                                grad_out.narrow(dim, s, m), allow_unused=True)
+    if need_x:
+        grad_x.narrow(dim, s, m).copy_(grads[0])
+        grads = grads[1:]
+    for i, g in enumerate(grads):
+        if g is None:
+            continue
+        if acc[i] is None:  # the first tile's gradient (a fresh tensor) starts the sum
+            acc[i] = g.to(torch.promote_types(g.dtype, torch.float32))
+        else:
+            acc[i] += g
+    return acc, grad_x
 
 
 def _tiles(fn, tile, dim, x):
@@ -110,9 +155,13 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_
     Returns: ``fn(x)``, differentiable in ``x`` and ``params``; parameter gradients are
     summed over tiles in at least float32, then cast to each parameter's dtype.
 
+    Backward recomputes each tile under the forward's autocast state and RNG state (as
+    ``torch.utils.checkpoint`` with ``preserve_rng_state``), so a dropout in ``fn`` draws
+    the forward's masks again.
+
     Raises: TypeError/ValueError naming ``tile_tokens`` when it is not an int >= 1,
     ``fn`` (not callable; an output without one row per input row), ``x``, ``dim`` (not a
-    dimension of ``x``) or ``params`` (not tensors).
+    dimension of ``x``) or ``params`` (not tensors; a tensor listed twice).
     """
     tile = check_tile_tokens(tile_tokens)
     if not callable(fn):
@@ -127,6 +176,10 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_
     bad = [type(p).__name__ for p in params if not isinstance(p, torch.Tensor)]
     if bad:
         raise TypeError(f"params must be tensors (the parameters fn reads), got {bad[0]}")
+    twice = [i for i, p in enumerate(params) if any(p is q for q in params[:i])]
+    if twice:  # autograd would return its gradient once per listing: counted twice
+        raise ValueError(f"params: the tensor at index {twice[0]} is listed twice (shape "
+                         f"{tuple(params[twice[0]].shape)}); list each parameter once")
     if x.shape[dim] <= tile:
         return fn(x)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):

@@ -162,6 +162,10 @@ def _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens, 
         if placed is None and batch.cp_size != size:
             raise ValueError(f"plan: the batch is a zigzag shard for cp_size={batch.cp_size}, "
                              f"the group has {size} rank(s)")
+        if size > 1 and batch.cp_rank != rank:  # a peer's shard would get this rank's positions
+            raise ValueError(f"source: the batch is the shard of cp_rank={batch.cp_rank}, but "
+                             f"this is rank {rank} of the group: shard with cp_rank = "
+                             "dist.get_rank(group)")
         if max_seqlen is not None and max_seqlen != batch.max_seqlen:
             raise ValueError(f"max_seqlen={max_seqlen}: pass None with a batch (its own is "
                              f"{batch.max_seqlen})")

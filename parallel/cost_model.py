@@ -50,6 +50,7 @@ from cp_rope.validation import check_cp_args, check_int
 
 from . import _compat
 from ._calibration import Calibration, active_calibration
+from .choices import BACKEND_CHOICES
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
 
@@ -245,6 +246,24 @@ def _lengths(cu_seqlens) -> np.ndarray:
     return cu
 
 
+def _check_model_args(backend, calibration, q_heads, kv_heads) -> Calibration:
+    """The calibration to use; ValueError / TypeError naming ``backend`` (not one of
+    :data:`~cp_rope.parallel.choices.BACKEND_CHOICES`), ``calibration`` (not a
+    :class:`Calibration`: a dict is not read) or the heads (what the plan refuses)."""
+    if backend not in BACKEND_CHOICES:
+        raise ValueError(f"backend={backend!r}: expected one of {list(BACKEND_CHOICES)}")
+    if calibration is not None and not isinstance(calibration, Calibration):
+        raise TypeError(f"calibration must be a Calibration (cp_rope.parallel.calibrate."
+                        f"load_calibration(path) reads a JSON file) or None, got "
+                        f"{type(calibration).__name__}")
+    hq = check_int("q_heads", q_heads, min_value=1)
+    hkv = check_int("kv_heads", kv_heads, min_value=1)
+    if hq % hkv:
+        raise ValueError(f"q_heads={hq}: must be a multiple of kv_heads={hkv} (GQA; the "
+                         "attention plan refuses it)")
+    return calibration or active_calibration()
+
+
 def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_heads: int,
             head_dim: int, dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
             calibration: Calibration | None = None, per_rank: bool = False):
@@ -257,7 +276,8 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
         cp_size, q_heads, kv_heads, head_dim, dtype: the layer's (dtype sets element bytes:
             2 for fp16/bf16; fp32 accumulators, fp64 for fp64 inputs).
         backend: the block backend's throughput table in the calibration (``"cudnn"``,
-            ``"fa4"``, ``"torch_flash"``, ...; unknown names use ``"cudnn"``'s); ``"auto"``:
+            ``"fa4"``, ``"torch_flash"``, ...; a table the calibration lacks uses ``"cudnn"``'s;
+            a name outside :data:`~cp_rope.parallel.choices.BACKEND_CHOICES` is refused); ``"auto"``:
             per segment ``"fa4"``'s from the crossover of ``head_dim`` up, ``"cudnn"``'s below
             (``get_backend``'s rule; cuDNN's alone when FA4 is not importable or the
             calibration has no ``fa4`` table), one more call when a block uses both.
@@ -267,14 +287,14 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     Returns: the slowest rank's ms (and with ``per_rank`` a ``(ms, [ms per rank])`` tuple).
 
     Raises: ValueError / TypeError naming a bad argument (as ``comm_volume`` /
-    ``check_ulysses_args`` for head counts the method cannot split; a split document whose
-    length is not divisible by ``2 * cp_size``).
+    ``check_ulysses_args`` for head counts the method cannot split; q_heads not a multiple
+    of kv_heads; a misspelled ``backend``; a ``calibration`` that is not a
+    :class:`Calibration`; a split document whose length is not divisible by ``2 * cp_size``).
     """
-    cal = calibration or active_calibration()
+    cal = _check_model_args(backend, calibration, q_heads, kv_heads)
     cu = _lengths(cu_seqlens)
     C, _ = check_cp_args(cp_size, 0)
-    hq = check_int("q_heads", q_heads, min_value=1)
-    hkv = check_int("kv_heads", kv_heads, min_value=1)
+    hq, hkv = q_heads, kv_heads
     D = check_int("head_dim", head_dim, min_value=1)
     elem = _ELEM.get(dtype, 2)
     acc = 8 if dtype == torch.float64 else 4
@@ -396,6 +416,7 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
 
     Raises: as :func:`candidate_settings` and :func:`predict`.
     """
+    _check_model_args(backend, calibration, q_heads, kv_heads)  # before the candidates
     cands = candidate_settings(cu_seqlens, cp_size=cp_size, q_heads=q_heads, kv_heads=kv_heads,
                                head_dim=head_dim, method=method, placement=placement,
                                split_threshold=split_threshold, ulysses_size=ulysses_size)

@@ -65,7 +65,7 @@ def write_jsonl(path: str, docs: list[list[int]]) -> str:
 def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = None,
         grad_accum: int = 1, steps: int = 5, save_steps: int | None = None,
         resume: str | None = None, prepare_kwargs: dict | None = None,
-        args_over: dict | None = None, eval_docs=None) -> dict:
+        args_over: dict | None = None, eval_docs=None, before_train=None) -> dict:
     """Train ``steps`` optimizer steps and return ``{"loss": [...], "grad_norm": [...],
     "step": [...], "ran": [...], "state": {name: tensor}}`` (the logged values per step, the
     steps this call ran, the final weights).
@@ -109,6 +109,8 @@ def run(kind: str, model_dir: str, docs, out_dir: str, *, cp_size: int | None = 
     ran = []
     trainer.add_callback(type("Count", (transformers.TrainerCallback,), {
         "on_step_end": lambda self, args, state, control, **kw: ran.append(state.global_step)}))
+    if before_train is not None:
+        before_train(trainer)
     trainer.train(resume_from_checkpoint=resume)
     logs = [e for e in trainer.state.log_history if "loss" in e and "grad_norm" in e]
     extra = {} if ev is None else {"eval_loss": trainer.evaluate()["eval_loss"]}

@@ -336,3 +336,26 @@ def test_the_model_builds_one_plan_per_step(monkeypatch):
     for step in range(2):
         model(torch.randint(0, 64, (40,)), cu, 23).square().mean().backward()
         assert len(builds) == step + 1, builds
+
+
+# ------------------------------------------------------------------ issue 35: a peer's shard
+def _peer_shard_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import PackingCollator, attention_plan
+    g = torch.Generator().manual_seed(5)
+    docs = [{"input_ids": torch.randint(0, 50, (n,), generator=g)} for n in (37, 8, 3000, 1)]
+    kw = dict(q_heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, group=dist.group.WORLD)
+    for placement in ("zigzag", "per_document"):
+        extra = {"split_threshold": 64} if placement == "per_document" else {}
+        peer = PackingCollator(cp_size=2, cp_rank=1 - rank, placement=placement, **extra)(docs)
+        with pytest.raises(ValueError, match=rf"source: the batch is the shard of cp_rank="
+                           rf"{1 - rank}, but this is rank {rank} of the group"):
+            attention_plan(peer, **kw)  # before: this rank's positions on the peer's rows
+        own = PackingCollator(cp_size=2, cp_rank=rank, placement=placement, **extra)(docs)
+        attention_plan(own, **kw)  # the group still agrees afterwards
+
+
+def test_a_peers_shard_is_refused_naming_both_ranks():
+    from dist_utils import run_distributed
+    run_distributed(_peer_shard_body, 2, timeout_s=60)

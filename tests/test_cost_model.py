@@ -74,6 +74,41 @@ def test_calibration_files(tmp_path):
         calib.load_calibration(path, "cpu")
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("p2p_gbps", True, r"p2p_gbps must be a number, got bool True"),
+    ("call_us", "3.5", r"call_us must be a number, got str '3\.5'"),
+    ("tile", True, r"missing tile \(an int >= 1\)"),
+    ("block_keys", [1.0, False], r"block_keys\[\] must be a number, got bool False"),
+    ("crossover", {"64": True}, r"crossover\[64\] must be an int, got bool True"),
+    ("crossover", {"64": 8.5}, r"crossover\[64\] must be an int, got float 8\.5"),
+])
+def test_calibration_json_booleans_and_strings_are_not_numbers(tmp_path, key, value, match):
+    """Issue 35: JSON's true was read as 1 (float(True)), "3.5" as 3.5."""
+    path = str(tmp_path / "cal.json")
+    raw = calib.default_calibration("cpu").to_dict()
+    if key == "block_keys":
+        value = [*raw["block_keys"][:-1], False]
+    json.dump(dict(raw, **{key: value}), open(path, "w"))
+    with pytest.raises(calib.CalibrationError, match=match):
+        calib.load_calibration(path, "cpu")
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"backend": "cuddn"}, ValueError, r"backend='cuddn': expected one of \['auto', 'cudnn'"),
+    ({"calibration": {"p2p_gbps": 1.0}}, TypeError, r"calibration must be a Calibration .*got dict"),
+    ({"q_heads": 6, "kv_heads": 4}, ValueError, r"q_heads=6: must be a multiple of kv_heads=4"),
+])
+def test_choose_and_predict_refuse_what_the_plan_would(kw, exc, match):
+    """Issue 35: a misspelled backend priced as cuDNN, a dict calibration ignored (the defaults
+    used), heads the plan refuses given a choice."""
+    args = dict(cp_size=2, **{**H, **{k: v for k, v in kw.items() if k in H}})
+    other = {k: v for k, v in kw.items() if k not in H}
+    with pytest.raises(exc, match=match):
+        choose([0, 64, 128], **args, **other)
+    with pytest.raises(exc, match=match):
+        predict([0, 64, 128], Setting("zigzag", None, "ring"), **args, **other)
+
+
 def test_measure_on_cpu_writes_a_loadable_file(tmp_path):
     cal = calib.measure("cpu", tokens=64, heads=2, kv_heads=1, head_dim=16, iters=1)
     path = str(tmp_path / "m.json")

@@ -5,7 +5,8 @@ Tiny random float32 Qwen3 and Llama models saved to a directory (tests/hf_traine
 never downloaded). The reference is the unmodified Trainer on one process (SDPA on TRL's
 padding-free rows; transformers' DataCollatorWithFlattening for the plain Trainer); the CP
 runs are spawned gloo worlds of 2 ranks (cp 2: Qwen3 and Llama SFT, per-document placement,
-plain Trainer with cp_rope's PackingCollator, checkpoint + resume, ranks that disagree) and
+plain Trainer with cp_rope's PackingCollator, gradient accumulation and checkpointing,
+bf16 autocast, evaluate(), checkpoint + resume, the example script, ranks that disagree) and
 of 4 ranks (dp 2 x cp 2, against one process with twice the gradient accumulation). Five
 optimizer steps with clipping (max_grad_norm=1) and a moving learning rate: the logged
 losses and gradient norms and the final weights agree to 1e-5 relative.
@@ -159,6 +160,15 @@ def test_prepare_bad_input(dirs, tmp_path):
                                  data_collator=transformers.DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="model: model_type 'gpt2' is not supported"):
         H.prepare(other, cp_size=1)
+    # a mixture-of-experts model whose router loss prepare's loss would leave out
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        vocab_size=97, output_router_logits=True, router_aux_loss_coef=0.01))
+    other = transformers.Trainer(model=moe, args=args, train_dataset=ds,
+                                 data_collator=transformers.DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
+        H.prepare(other, cp_size=1)
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")
     H.prepare(sft, cp_size=1)
@@ -220,10 +230,15 @@ def _cp2_body(rank: int, world: int, dirs: dict, refs: dict) -> None:
     assert got["ran"] == [4, 5], f"the resumed run ran steps {got['ran']}"
     if rank == 0:
         assert_same_run(got, refs["sft_qwen3"], "cp2 resume", steps=[4, 5])
-    # ranks called with different arguments: every rank raises, none waits
-    with pytest.raises((ValueError, RuntimeError), match="different arguments"):
+    # ranks called with different arguments or seeds: every rank raises, none waits
+    for kw in ({"prepare_kwargs": {"method": "ring" if rank == 0 else "allgather"}},
+               {"args_over": {"data_seed": rank}}):
+        with pytest.raises(ValueError, match="different arguments"):
+            run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2, **kw)
+    # the sampler seeded per rank after prepare: the CP ranks' batches differ at step 1
+    with pytest.raises(RuntimeError, match="drew different batches at step 1"):
         run("sft", dirs["qwen3"], DOCS, str(root / "cp2_bad"), cp_size=2,
-            prepare_kwargs={"method": "ring" if rank == 0 else "allgather"})
+            before_train=lambda trainer: torch.manual_seed(100 + rank))
 
 
 def test_parity_cp2(dirs, refs):

@@ -115,6 +115,17 @@ def _self_test_disagreement_body(rank: int, world: int) -> None:
     # the test's own seed must agree (else each rank builds other data and CP is blamed)
     with pytest.raises(SelfTestError, match=r"seed differs across the ranks: \[0, 1\]"):
         self_test(g, seed=rank)
+    # shapes that differ (a rank with other GQA heads broadcast other-sized tensors: a raw
+    # gloo abort before) and the attention each rank would run
+    with pytest.raises(SelfTestError, match=r"kv_heads differs across the ranks: \[2, 1\] "
+                       r"\(every rank must build the same test batch and attention\)"):
+        self_test(g, kv_heads=2 if rank == 0 else 1)
+    with pytest.raises(SelfTestError, match=r"q_heads differs .*: \[4, 8\]; head_dim differs "
+                       r".*: \[32, 16\]"):
+        self_test(g, q_heads=4 if rank == 0 else 8, head_dim=32 if rank == 0 else 16)
+    with pytest.raises(SelfTestError, match=r"method differs across the ranks: \['ring', "
+                       r"'allgather'\]"):
+        self_test(g, method="ring" if rank == 0 else "allgather")
     assert self_test(g).errors  # still usable
 
 

@@ -44,11 +44,11 @@ from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 
 from cp_rope.parallel import PackingCollator, ParallelDims, agree_across_ranks
 from cp_rope.parallel.choices import PLACEMENTS
-from cp_rope.validation import check_bool, check_choice
+from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
 from ._compat import transformers
 from .patch import _family, patch_model
-from .trainer_data import LABELS, NUM_ITEMS, TrainerCollator, regroup_loader
+from .trainer_data import FINGERPRINT, LABELS, NUM_ITEMS, TrainerCollator, regroup_loader
 from .trainer_model import install_loss_forward, scale_grad
 
 __all__ = ["prepare", "CPRopeTrainerMixin", "CPRopeTrainerState"]
@@ -92,7 +92,11 @@ class CPRopeTrainerMixin:
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The Trainer's micro-batches of one optimizer step, each tagged with its count of
         real labels over the world (``NUM_ITEMS``, one all-reduce for the step); returns
-        ``(batches, N)`` with ``N`` the step's count (the Trainer's ``num_items_in_batch``)."""
+        ``(batches, N)`` with ``N`` the step's count (the Trainer's ``num_items_in_batch``).
+
+        On CPU (or with ``CP_ROPE_DEBUG=1``: the check reads the result on the host) the CP
+        ranks of each group also compare their global batches' fingerprints (one all-reduce
+        over the group) and all raise RuntimeError when they drew different batches."""
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batches:
             return batches, None
@@ -100,9 +104,25 @@ class CPRopeTrainerMixin:
         counts = torch.stack([(b[LABELS] != ignore).sum() for b in batches]).to(device)
         if self.cp_rope.dims.world_size > 1:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM)
+            self._check_same_batches(batches, counts)
         for b, n in zip(batches, counts, strict=True):
             b[NUM_ITEMS] = n
         return batches, counts.sum()
+
+    def _check_same_batches(self, batches, counts) -> None:
+        state = self.cp_rope
+        if state.dims.cp == 1 or not content_checks_enabled(counts):
+            return
+        crc = torch.stack([b[FINGERPRINT] for b in batches]).to(counts.device)
+        both = torch.cat([crc, -crc])  # max of x and of -x: every rank equal iff max == min
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=state.mesh["cp"].get_group())
+        if not torch.equal(both[:len(batches)], -both[len(batches):]):
+            raise RuntimeError(
+                f"cp_rope.hf.prepare: the CP ranks of DP group {state.dp_rank} drew different "
+                f"batches at step {self.state.global_step + 1} (their fingerprints differ): the "
+                "Trainer's sampler gives ranks different indices (a sampler seeded per rank, "
+                "torch.manual_seed(rank) before train() with accelerate's seedable sampler, a "
+                "rank-aware sampler); every rank must see the same seed and sampler")
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The world's token-mean loss of this micro-batch, weighted by its share of the
@@ -110,6 +130,7 @@ class CPRopeTrainerMixin:
         docstring). Without ``num_items_in_batch`` (evaluation): the micro-batch's mean."""
         inputs = dict(inputs)
         labels, n_items = inputs.pop(LABELS), inputs.pop(NUM_ITEMS, None)
+        inputs.pop(FINGERPRINT, None)
         outputs = model(**inputs, cp_rope_labels=labels[0])
         loss = outputs.loss
         if num_items_in_batch is not None and n_items is not None:
@@ -153,6 +174,16 @@ def _check_parallelism(trainer) -> None:
     if getattr(trainer, "is_model_parallel", False):
         raise ValueError("model: spread over several devices (device_map): cp_rope needs one "
                          "device per process")
+
+
+def _check_router_loss(config) -> None:
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(config, "output_router_logits", False) and coef:
+        raise ValueError(f"model: a mixture-of-experts model with its router load-balancing "
+                         f"loss on (output_router_logits, router_aux_loss_coef={coef}): "
+                         "prepare's loss is the token cross-entropy alone; set "
+                         "router_aux_loss_coef=0 (SFTConfig) or output_router_logits=False, or "
+                         "train it with cp_rope.launch.finetune_hf --router-aux-loss")
 
 
 def _check_data(trainer, cp_size: int) -> None:
@@ -269,14 +300,18 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     Raises (every rank, before anything changes), each naming the argument:
         TypeError: ``trainer`` not a ``transformers.Trainer``; a non-int ``cp_size``.
         ValueError: ``cp_size`` not dividing the world; a model family cp_rope does not
-            support; accelerate's ``parallelism_config`` with ``cp_size`` / ``sp_size`` /
+            support; a mixture-of-experts model with its router loss on; accelerate's ``parallelism_config`` with ``cp_size`` / ``sp_size`` /
             ``tp_size`` set, DeepSpeed, DataParallel; ``model_init``; an iterable dataset;
             ``train_sampling_strategy`` other than random / sequential or a
             ``_get_train_sampler`` override returning another sampler; accelerate's
             ``split_batches`` / ``dispatch_batches`` / ``even_batches=False``; a collator
             that pads without ``position_ids`` (or gives keys cp_rope does not carry); a
             per-device batch size other than 1 with pre-packed rows (``packing=True``) or
-            ``auto_find_batch_size``; a trainer already prepared.
+            ``auto_find_batch_size``; a trainer already prepared; ranks with different
+            arguments, ``args.seed`` or ``args.data_seed`` (the sampler's seed).
+        RuntimeError (at a step, on CPU or with ``CP_ROPE_DEBUG=1``): the CP ranks of a group
+            drew different batches all the same (e.g. ``torch.manual_seed(rank)`` before
+            ``train()``, which seeds accelerate's sampler).
     """
     if not isinstance(trainer, Trainer):
         raise TypeError(f"trainer must be a transformers.Trainer (or a subclass such as TRL's "
@@ -292,6 +327,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             raise ValueError("model_init: train() would build a new, unpatched model; pass the "
                              "model itself")
         _family(trainer.model)  # an unsupported family is named here, before any collective
+        _check_router_loss(trainer.model.config)
         check_bool("fused_loss", fused_loss)
         placement = check_choice("placement", placement, PLACEMENTS)
         _check_parallelism(trainer)
@@ -299,11 +335,12 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     except (TypeError, ValueError) as exc:
         error = exc
     if distributed:  # a rank's refusal reaches every rank; all ranks must pass the same
-        sig = (dims.cp, method, backend, rope_kernel, placement, fused_loss, type(trainer).__name__)
+        sig = (dims.cp, method, backend, rope_kernel, placement, fused_loss,
+               type(trainer).__name__, trainer.args.seed, trainer.args.data_seed)
         agree_across_ranks(None, error, sig, what="cp_rope.hf.prepare",
                            describe=lambda sigs: f"ranks were called with different arguments "
                            f"(cp_size, method, backend, rope_kernel, placement, fused_loss, "
-                           f"trainer class): {sigs}")
+                           f"trainer class, args.seed, args.data_seed): {sigs}")
     elif error is not None:
         raise error
     mesh = dims.build_mesh(trainer.args.device.type) if distributed else None

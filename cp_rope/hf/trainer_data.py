@@ -25,6 +25,7 @@ row apart, nor the positions the model would give left-padded tokens.
 
 from __future__ import annotations
 
+import zlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -41,13 +42,15 @@ except ImportError as _exc:
     raise ImportError("cp_rope.hf.prepare needs accelerate (transformers' Trainer runs on it): "
                       "pip install 'cp-rope[trl]' or pip install accelerate") from _exc
 
-__all__ = ["LABELS", "NUM_ITEMS", "TrainerCollator", "documents_of", "trainer_inputs",
-           "regroup_loader"]
+__all__ = ["LABELS", "NUM_ITEMS", "FINGERPRINT", "TrainerCollator", "documents_of",
+           "trainer_inputs", "fingerprint", "regroup_loader"]
 
 LABELS = "shift_labels"
 """Key of the shard's labels ``[1, T_local]`` (already shifted) in a prepared batch."""
 NUM_ITEMS = "cp_rope_num_items"
 """Key of the micro-batch's real-label count over the whole world (set per optimizer step)."""
+FINGERPRINT = "cp_rope_fingerprint"
+"""Key of the global batch's :func:`fingerprint` (int64 0-dim): equal on every rank of a CP group."""
 
 # Keys of a collator's batch that documents_of reads or may safely drop (seq_idx: TRL's
 # per-token sequence index for linear attention, derived from the same boundaries).
@@ -141,6 +144,16 @@ def documents_of(batch: Mapping) -> list[dict]:
     return docs
 
 
+def fingerprint(docs: Sequence[Any]) -> int:
+    """CRC-32 of the documents' lengths and ids, in order (examples as mappings with
+    ``input_ids`` or the ids themselves): the same global batch gives the same number."""
+    crc = 0
+    for d in docs:
+        ids = np.ascontiguousarray(d["input_ids"] if isinstance(d, Mapping) else d, np.int64)
+        crc = zlib.crc32(ids.tobytes(), zlib.crc32(np.int64(ids.size).tobytes(), crc))
+    return crc
+
+
 def trainer_inputs(batch: PackedBatch) -> dict:
     """This rank's :class:`PackedBatch` -> the Trainer's batch: :func:`model_inputs` plus
     ``"shift_labels"`` int64 ``[1, T_local]`` (the shard's labels, already shifted)."""
@@ -155,7 +168,8 @@ class TrainerCollator:
             (the examples are then packed directly).
         packer: a :class:`PackingCollator` with this rank's ``cp_size`` / ``cp_rank``.
 
-    Calling it: a list of examples -> :func:`trainer_inputs` of this rank's shard.
+    Calling it: a list of examples -> :func:`trainer_inputs` of this rank's shard, plus
+    the global batch's :func:`fingerprint` under ``FINGERPRINT``.
     Raises: as :func:`documents_of` and :class:`PackingCollator`.
     """
 
@@ -164,7 +178,8 @@ class TrainerCollator:
 
     def __call__(self, examples: Sequence[Any]) -> dict:
         docs = examples if self.inner is None else documents_of(self.inner(examples))
-        return trainer_inputs(self.packer(docs))
+        crc = torch.tensor(fingerprint(docs), dtype=torch.int64)
+        return {**trainer_inputs(self.packer(docs)), FINGERPRINT: crc}
 
 
 def regroup_loader(loader, dp_size: int, dp_rank: int, world_size: int):
