@@ -13,7 +13,8 @@ import torch
 
 from ._blocks import NEG_INF, merge_weights
 
-__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads"]
+__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads", "apply_sinks",
+           "sink_grad"]
 
 # Memory (bytes per rank; T local rows, bf16 inputs, GPU kernels whose partials are bf16).
 # Kept across the call: q, k, v, dout, out (the result, saved for backward), LSE (fp32
@@ -120,9 +121,13 @@ class OutAcc:
         self.lse = torch.full((self.shape[1], self.shape[0]), NEG_INF, dtype=self.lse_dtype,
                               device=self.device)
 
-    def result(self, plan, dtype):
+    def result(self, plan, dtype, sinks=None):
+        """The merged (out in ``dtype``, LSE); with ``sinks`` (``[H]``) their correction
+        (:func:`apply_sinks`) on the merged rows, once, before padding rows are cleared."""
         if self.out is None:
             self._allocate()
+        if sinks is not None:
+            apply_sinks(self.out, self.lse, sinks, plan.n_valid)
         out = mask_pad(self.out, plan, 0.0, 0).to(dtype)
         return out, mask_pad(self.lse, plan, NEG_INF, 1)
 
@@ -147,3 +152,49 @@ def add_grads(dq, dk, dv, grads):
     for k0, gk, gv in kv_parts:
         dk.add(k0, gk)
         dv.add(k0, gv)
+
+
+def apply_sinks(out, lse, sinks, n_rows: int) -> None:
+    """Per-head sink logits into merged attention, in place on rows ``[:n_rows]``.
+
+    GPT-OSS's sink: the softmax of a row of head ``h`` gains a term ``exp(sinks[h])`` in its
+    denominator and no value, so with the merged ``lse`` (over every key the row sees)
+
+        lse' = logaddexp(lse, sinks[h]),    out' = exp(lse - lse') out
+
+    (a row that sees no key: out' = 0, lse' = sinks[h]). Applied once per row after every
+    partial is merged, never per block (a per-block sink would be counted once per block).
+
+    Args: ``out`` ``[T, H, D]`` (any float dtype, rounded once), ``lse`` ``[H, T]`` float32 /
+    float64, ``sinks`` ``[H]`` (computed in ``lse``'s dtype).
+    """
+    if n_rows == 0:
+        return
+    s = sinks.detach().to(lse.dtype)[:, None]
+    old = lse[:, :n_rows]
+    new = torch.logaddexp(old, s)
+    w = torch.exp(old - new)  # 0 where old is -inf
+    for r0 in range(0, n_rows, MERGE_ROWS):
+        r1 = min(n_rows, r0 + MERGE_ROWS)
+        out[r0:r1].mul_(w[:, r0:r1].T.unsqueeze(-1).to(out.dtype))
+    lse[:, :n_rows] = new
+
+
+def sink_grad(dout, out, lse, sinks, n_rows: int) -> torch.Tensor:
+    """Gradient of the sink logits from this rank's rows ``[:n_rows]``: ``[H]`` in fp32 (fp64
+    for fp64 ``lse``).
+
+    With the sink's probability ``p_h = exp(sinks[h] - lse')`` of a row and the sink's value
+    0, the softmax backward gives ``d sinks[h] = -sum_rows p_h (dout . out')`` (``out'``,
+    ``lse'``: the corrected output and LSE of :func:`apply_sinks`). Each rank returns its
+    rows' share; the sum over the CP group (the gradient reduction of a replicated
+    parameter, as for every weight) is the full gradient.
+    """
+    ct = lse.dtype
+    total = torch.zeros(sinks.shape[0], dtype=ct, device=lse.device)
+    s = sinks.detach().to(ct)[:, None]
+    for r0 in range(0, n_rows, MERGE_ROWS):
+        r1 = min(n_rows, r0 + MERGE_ROWS)
+        delta = (dout[r0:r1].to(ct) * out[r0:r1].to(ct)).sum(-1)  # [n, H]
+        total -= (torch.exp(s - lse[:, r0:r1].to(ct)) * delta.T).sum(1)
+    return total

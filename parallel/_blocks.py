@@ -63,7 +63,7 @@ from ._calibration import active_calibration
 from ._cudnn_thd import CudnnTHD as _CudnnTHD
 from ._fa4 import CudnnFa4 as _CudnnFa4
 from ._fa4 import Fa4 as _Fa4
-from .choices import BACKENDS
+from .choices import BACKENDS, WINDOW_BACKENDS
 
 __all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "backend_unavailable",
            "BACKENDS"]
@@ -96,6 +96,14 @@ class Block:
     cu_q_host: torch.Tensor | None = None
     """``cu_q`` on the host, when the plan knows it (then :attr:`dense` reads no device)."""
     cu_k_host: torch.Tensor | None = None
+    window: tuple[int, int] | None = None
+    """flash-attn's ``window_size = (left, right)`` inside every segment (None: no window;
+    -1: unbounded on that side), aligned bottom-right as flash-attn aligns it: query row
+    ``i`` of a segment of ``lq`` queries and ``lk`` keys sees key rows ``j`` with
+    ``i + lk - lq - left <= j <= i + lk - lq + right`` (and ``j <= i + lk - lq`` if
+    ``causal``). The windowed schedules (:mod:`cp_rope.parallel._window`) use
+    ``(W - 1, 0)`` on causal diagonal pieces and ``(0, -1)`` on the "halo" pieces of keys
+    before their queries."""
 
     @functools.cached_property
     def backend_cache(self) -> dict:
@@ -201,9 +209,19 @@ class _Reference:
         seg = (torch.searchsorted(cu_q, rows, right=True) - 1).clamp(0, cu_q.numel() - 2)
         inside = (rows >= cu_q[0]) & (rows < cu_q[-1])
         lo, hi = cu_k[seg], cu_k[seg + 1]
+        # bottom-right alignment: query i of the segment sits at key index i + lk - lq
+        diag = lo + (rows - cu_q[seg]) + (hi - lo) - (cu_q[seg + 1] - cu_q[seg])
+        lo0, hi0 = lo, hi
         if blk.causal:
-            hi = torch.minimum(hi, lo + (rows - cu_q[seg]) + 1)
-        hi = torch.where(inside, hi, lo)
+            hi = torch.minimum(hi, diag + 1)
+        if blk.window is not None:
+            left, right = blk.window
+            if left >= 0:
+                lo = torch.maximum(lo, diag - left)
+            if right >= 0:
+                hi = torch.minimum(hi, diag + right + 1)
+        lo, hi = lo.clamp(lo0, hi0), hi.clamp(lo0, hi0)
+        hi = torch.where(inside & (hi > lo), hi, lo)
         return lo, hi
 
     def _chunks(self, q, k, v, blk: Block, scale: float):
@@ -265,6 +283,12 @@ class _Reference:
         return [(0, dq, 0, dk, dv)]
 
 
+def _window_kw(blk: Block) -> dict:
+    """``window=(left, right)`` for a windowed block's kernel call (nothing otherwise, so
+    the unwindowed calls stay what they were)."""
+    return {} if blk.window is None else {"window": blk.window}
+
+
 class _Varlen:
     """Flash-style varlen kernels (torch's own or the flash_attn package)."""
 
@@ -278,7 +302,7 @@ class _Varlen:
         if blk.max_q == 0 or blk.max_k == 0:
             return [], None
         out, lse, *state = self._fwd(q, k, v, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                                     blk.causal, scale)
+                                     blk.causal, scale, **_window_kw(blk))
         # flash-attn writes LSE +inf for rows without a visible key; ours is -inf
         lse = lse.masked_fill(lse == float("inf"), NEG_INF)
         return [(0, out, lse)], state
@@ -287,7 +311,7 @@ class _Varlen:
         if blk.max_q == 0 or blk.max_k == 0:
             return []
         dq, dk, dv = self._bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k, blk.max_q, blk.max_k,
-                               blk.causal, scale, *aux)
+                               blk.causal, scale, *aux, **_window_kw(blk))
         return [(0, dq, 0, dk, dv)]
 
 
@@ -382,14 +406,25 @@ def backend_unavailable(backend: str, *, device, dtype: torch.dtype, head_dim: i
     return None if d <= 128 and d % 8 == 0 else f"supports head_dim <= 128 (multiple of 8), got {d}"
 
 
+def _window_refusal(backend: str, windowed: bool) -> str | None:
+    """Why ``backend`` cannot run a plan with sliding-window blocks (None: it can, or the
+    plan has none): only :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` take a window."""
+    if windowed and backend in BACKENDS and backend not in WINDOW_BACKENDS:
+        return (f"does not run sliding-window blocks (window=); the backends that do: "
+                f"{WINDOW_BACKENDS}")
+    return None
+
+
 def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     return backend_unavailable(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
                                n_seqs=n_seqs)
 
 
-def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
-    """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs.
+def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False):
+    """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs
+    (``windowed``: for a plan with a sliding window, whose blocks only the backends of
+    :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those).
 
     ``auto``'s rule, by measured speed on an H200 (``docs/benchmarks.md``):
 
@@ -412,13 +447,14 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int):
     """
     check_choice("backend", backend, ("auto", *BACKENDS))
     if backend == "auto":
-        runs = [b for b in BACKENDS if _unsupported(b, q, n_seqs) is None]
+        runs = [b for b in BACKENDS if _window_refusal(b, windowed) is None
+                and _unsupported(b, q, n_seqs) is None]
         if "cudnn" in runs and "fa4" in runs:
             crossover = active_calibration().crossover_at(q.shape[-1])
             if crossover is not None:
                 return _CudnnFa4(crossover)
         backend = runs[0]
-    why = _unsupported(backend, q, n_seqs)
+    why = _window_refusal(backend, windowed) or _unsupported(backend, q, n_seqs)
     if why is not None:
         raise ValueError(f"backend={backend!r} {why}")
     if backend == "reference":

@@ -88,16 +88,18 @@ def _table(peak: float, half: float, keys) -> tuple[float, ...]:
 # H200 constants, fitted by scripts/validate_cost_model.py --fit to the one-H200 rows (cp 1
 # and --simulate-cp) and the two-H200 cp 2 rows of docs/benchmarks.md (torch 2.11, cuDNN
 # frontend 1.32): TFLOP/s at 16 / 128 / 1024 / 8192 / 65536 keys per query row.
-# fa4: cuDNN's table times cuDNN / FA4 time on the layouts of issue 31 (one H200, flash-attn-4
-# 4.0.0b36, nvidia-cutlass-dsl 4.8.1; d 64 and 128 averaged: 0.75 at 128 keys per row (512 x
-# 256 tokens), 1.0 at 1024 (64 x 2048), 1.15 from 8192 (long documents)). The crossover: FA4
-# from 2048 query rows at head_dim 64, from 4096 at 128 (64 x 2048: FA4 0.97 / 1.03 of cuDNN).
+# fa4: cuDNN's table times cuDNN / FA4 time, fwd + bwd, measured side by side on one H200
+# (scripts/bench_cp_attention.py, 32 / 8 heads, flash-attn-4 4.0.0b36, nvidia-cutlass-dsl
+# 4.8.1, cuDNN 9.19, docs/benchmarks.md "FlashAttention-4"), d 64 and 128 averaged: 0.78 at
+# 128 keys per row (512 x 256 tokens), 1.06 at 1024 (64 x 2048), 1.19 from 8192 (long
+# documents). The crossover: FA4 from 1024 query rows (cuDNN faster at 256 rows by 1.26x /
+# 1.29x at d 64 / 128; FA4 faster at 1536 and 2048).
 _H200 = dict(
     block_keys=(16.0, 128.0, 1024.0, 8192.0, 65536.0),
     tflops={"cudnn": (243.7, 203.4, 503.6, 503.6, 546.3),
-            "fa4": (182.8, 152.6, 503.6, 579.1, 628.2),
+            "fa4": (190.1, 158.7, 533.8, 599.3, 650.1),
             "torch_flash": (31.3, 150.1, 285.2, 321.4, 326.6)},
-    crossover={64: 2048, 128: 4096}, fa4_version="4.0.0b36",
+    crossover={64: 1024, 128: 1024}, fa4_version="4.0.0b36",
     call_us=855.3, merge_bytes_per_row=41.27, hbm_gbps=4000.0, p2p_gbps=221.9, a2a_gbps=154.5,
     collective_gbps=88.1, latency_us=0.0, seg_ns=3.21, tile=128)
 

@@ -68,6 +68,7 @@ __all__ = [
     "FA4_INSTALL",
     "fa4_unavailable",
     "fa4_version",
+    "fa4_compiled",
     "fa4_varlen_fwd",
     "fa4_varlen_bwd",
     "flash_attn_varlen_fwd",
@@ -397,6 +398,18 @@ def _fa4_interface():
     if fa4 is None:
         raise RuntimeError(f"backend='fa4' {why}; install it with {FA4_INSTALL}")
     return fa4
+
+
+def fa4_compiled() -> int:
+    """How many FA4 kernels this process has JIT-compiled (the in-memory caches of its forward,
+    backward and backward pre/post-processing; 0 without FA4): a count that must not grow with
+    the batches once every variant ran (tests, ``scripts/bench_cp_attention.py``)."""
+    fa4, _ = _fa4()
+    total = 0
+    for fn in ("_flash_attn_fwd", "_flash_attn_bwd", "_bwd_preprocess", "_bwd_postprocess_convert"):
+        cache = getattr(getattr(fa4, fn, None), "compile_cache", None)
+        total += len(getattr(cache, "cache", ()))
+    return total
 
 
 def fa4_varlen_fwd(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, scale: float,

@@ -34,10 +34,12 @@ _ALGORITHMS = {
 }
 
 
-def run_plan(q, k, v, plan, be, scale: float):
+def run_plan(q, k, v, plan, be, scale: float, sinks=None):
     """``(out, lse)`` of one :class:`~cp_rope.parallel.CPAttentionPlan` on checked inputs,
-    with the block backend object ``be`` (:func:`~cp_rope.parallel._blocks.get_backend`)."""
-    return _CPAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), plan, be, scale)
+    with the block backend object ``be`` (:func:`~cp_rope.parallel._blocks.get_backend`) and
+    the checked per-head sink logits ``sinks`` ``[Hq]`` (or None; differentiable)."""
+    return _CPAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), sinks, plan, be,
+                              scale)
 
 
 def _is_comm_error(exc: BaseException) -> bool:
@@ -58,13 +60,13 @@ def _exchange_failed(exc: BaseException, plan) -> RuntimeError:
 
 
 class _CPAttention(torch.autograd.Function):
-    """(q, k, v) -> (out, lse) by the plan's method; lse is not differentiable."""
+    """(q, k, v, sinks) -> (out, lse) by the plan's method; lse is not differentiable."""
 
     @staticmethod
-    def forward(ctx, q, k, v, plan, be, scale):
+    def forward(ctx, q, k, v, sinks, plan, be, scale):
         forward, _ = _ALGORITHMS[plan.algorithm]
         try:
-            out, lse, auxs = forward(plan.group, q, k, v, plan, be, scale)
+            out, lse, auxs = forward(plan.group, q, k, v, plan, be, scale, sinks)
         except RuntimeError as exc:
             if plan.group is not None and _is_comm_error(exc):
                 raise _exchange_failed(exc, plan) from exc
@@ -74,6 +76,7 @@ class _CPAttention(torch.autograd.Function):
             saved, auxs = auxs
         ctx.save_for_backward(*saved)
         ctx.plan, ctx.be, ctx.scale, ctx.auxs = plan, be, scale, auxs
+        ctx.sinks = None if sinks is None else sinks.detach()
         ctx.mark_non_differentiable(lse)
         ctx.set_materialize_grads(False)
         return out, lse
@@ -81,16 +84,18 @@ class _CPAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         if dout is None:  # the output was not used
-            return None, None, None, None, None, None
+            return None, None, None, None, None, None, None
         q, k, v, out, lse = ctx.saved_tensors
         plan = ctx.plan
         _, backward = _ALGORITHMS[plan.algorithm]
         try:
-            accs = backward(plan.group, dout.contiguous(), q, k, v, out, lse, plan, ctx.be,
-                            ctx.scale, ctx.auxs)
+            *accs, dsinks = backward(plan.group, dout.contiguous(), q, k, v, out, lse, plan,
+                                     ctx.be, ctx.scale, ctx.auxs, ctx.sinks)
         except RuntimeError as exc:
             if plan.group is not None and _is_comm_error(exc):
                 raise _exchange_failed(exc, plan) from exc
             raise
         grads = [mask_pad(acc.value(), plan, 0.0, 0).to(plan.dtype) for acc in accs]
-        return (*grads, None, None, None)
+        if dsinks is not None:
+            dsinks = dsinks.to(ctx.sinks.dtype)
+        return (*grads, dsinks, None, None, None)

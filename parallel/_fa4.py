@@ -14,8 +14,11 @@ problem has a single query / key tile, ``max_seqlen <= tile``). The values it re
 host are kept in a bounded set: ``max_seqlen_q`` / ``max_seqlen_k`` are passed as
 :func:`bucket` (``64 x 2^k``, at least :data:`MIN_BUCKET` = 256, so never one tile), host
 ints from the plan, never tensors (a tensor would be read back: a sync). Batches of any
-composition then reuse the kernels compiled for the first (one forward and one backward per
-(dtype, head_dim, GQA ratio, causal)). No call reads a device tensor on the host.
+composition then reuse the kernels compiled before: per (dtype, head_dim, GQA ratio, causal)
+two variants, blocks of up to 256 segments and of more (FA4 adds a batch-lookup table to its
+varlen scheduler above ``BIN_BATCH_SEARCH_THRESH`` = 256 segments, a compile-key flag),
+each a forward, a backward and its pre/post-processing (tests/test_fa4_gpu.py counts them).
+No call reads a device tensor on the host.
 
 ``auto`` on a GPU where both run (:class:`CudnnFa4`): each *segment* of a block goes to
 FA4 when its query rows are at least the crossover length of the head dim

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["RingExchange", "Loopback", "ring_exchange"]
+__all__ = ["RingExchange", "Loopback", "ring_exchange", "PeerExchange"]
 
 
 class RingExchange:
@@ -74,6 +74,46 @@ class Loopback:
             raise RuntimeError("Loopback.wait called without start()")
         xs, self._pending = self._pending, None
         return xs
+
+
+class PeerExchange:
+    """Step ``i`` of a windowed ring: ``start(i, sends, recvs, tag)`` posts send(sends ->
+    rank + i) and recv(recvs <- rank - i) in one ``batch_isend_irecv`` (either side may be
+    empty: nothing posted for it; the sizes come from the agreed plan, so a send is posted
+    exactly where its receive is); ``offset=-1`` turns the direction around (send to rank
+    - i, receive from rank + i: dK/dV going home). ``wait()`` returns ``recvs``. Messages
+    carry ``tag`` (gloo matches a pair's messages by tag and order). ``group`` None: a
+    simulated rank, nothing moves (the caller fills ``recvs`` itself)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        if group is not None:
+            self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        self._works: list = []
+        self._pending: tuple | None = None
+
+    def _peer(self, rank: int) -> int:
+        return dist.get_global_rank(self.group, rank % self.size)
+
+    def start(self, i: int, sends: tuple, recvs: tuple, tag: int, offset: int = 1) -> None:
+        if self._pending is not None:
+            raise RuntimeError("PeerExchange.start called twice without wait()")
+        ops, sends = [], tuple(x.contiguous() for x in sends)  # kept alive until wait()
+        if self.group is not None:
+            to, frm = self._peer(self.rank + offset * i), self._peer(self.rank - offset * i)
+            ops += [dist.P2POp(dist.isend, x, to, self.group, tag) for x in sends]
+            ops += [dist.P2POp(dist.irecv, x, frm, self.group, tag) for x in recvs]
+        self._works = dist.batch_isend_irecv(ops) if ops else []
+        self._pending = (sends, recvs)
+
+    def wait(self) -> tuple:
+        if self._pending is None:
+            raise RuntimeError("PeerExchange.wait called without start()")
+        for w in self._works:
+            w.wait()
+        recvs = self._pending[1]
+        self._works, self._pending = [], None
+        return recvs
 
 
 def ring_exchange(group: dist.ProcessGroup | None) -> RingExchange | Loopback:

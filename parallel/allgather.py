@@ -15,9 +15,10 @@ import torch
 import torch.distributed as dist
 
 from . import _accumulate, _compat
-from ._accumulate import OutAcc, Rows, add_grads
+from ._accumulate import OutAcc, Rows, add_grads, sink_grad
 from ._device import to_device
 from ._schedule import Layout, segments
+from ._window import window_allgather_schedule
 from .sharding import rank_major_index
 
 __all__ = ["allgather_schedule", "allgather_forward", "allgather_backward"]
@@ -35,6 +36,8 @@ def allgather_schedule(lay: Layout):
     global_index = rank_major_index(global_cu, C, stride=n_rows)
     base = (global_index // n_rows) * (2 * n_rows) + global_index % n_rows
     indices = {"kv": to_device(torch.cat([base, base + n_rows]), lay.device)}
+    if lay.window is not None:  # each chunk's window: its own chunk and the keys before it
+        return window_allgather_schedule(lay, indices["kv"])
     ga, gend = a * C, end * C
     if lay.causal:
         # local: each half causally against itself; global: unmasked prefixes
@@ -100,8 +103,9 @@ def _scatter_global_grads(dkv_glob, plan, group, n_rows):
 
 # --------------------------------------------------------------------------- all-gather
 
-def allgather_forward(group, q, k, v, plan, be, scale):
-    """All-gather forward: the local block while K/V gather, then the global blocks."""
+def allgather_forward(group, q, k, v, plan, be, scale, sinks=None):
+    """All-gather forward: the local block while K/V gather, then the global blocks;
+    ``sinks`` enter once after the merge."""
     acc = OutAcc(q, _accumulate.acc_dtype(q.dtype, plan.terms, be))
     auxs = []
     gather = _Gather(torch.stack([k, v]), group, plan)
@@ -114,11 +118,12 @@ def allgather_forward(group, q, k, v, plan, be, scale):
         parts, aux = be.forward(q, kv[0], kv[1], blk, scale)
         auxs.append(aux)
         acc.add(parts, first=len(auxs) == 1)
-    return (*acc.result(plan, q.dtype), auxs)
+    return (*acc.result(plan, q.dtype, sinks), auxs)
 
 
-def allgather_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
-    """All-gather backward: K/V gathered again; dK/dV reduce-scattered to their owners."""
+def allgather_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks=None):
+    """All-gather backward: K/V gathered again; dK/dV reduce-scattered to their owners.
+    Returns (dq, dk, dv) accumulators and the sinks' gradient of this rank's rows (or None)."""
     C, dev = plan.cp_size, q.device
     dq = Rows(q.shape, _accumulate.acc_dtype(q.dtype, plan.terms, be), dev)
     home = _accumulate.acc_dtype(q.dtype, min(plan.terms, 2), be)
@@ -138,5 +143,5 @@ def allgather_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
     share = _scatter_global_grads(dkv_glob, plan, group, q.shape[0])
     dk.add(0, share[0])
     dv.add(0, share[1])
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_grad(dout, out, lse, sinks, plan.n_valid)
 

@@ -33,6 +33,7 @@ from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 from ._blocks import get_backend
 from ._choose import LayoutInfo, choose_strategy
 from ._dispatch import run_plan
+from ._window import check_sinks
 from .batch import PackedBatch
 from .choices import AUTO, PLACEMENTS, Backend, Method
 from .per_document import PerDocumentPlan, per_document_attention
@@ -61,6 +62,8 @@ def attention_plan(
     backend: Backend = "auto",
     n_tokens: int | None = None,
     seq_lens: torch.Tensor | None = None,
+    window: int | None | list = None,
+    sinks: bool = False,
     _check=None,
 ) -> CPAttentionPlan | PerDocumentPlan:
     """The attention plan of one batch, for every layer of a step (collective over ``group``).
@@ -88,6 +91,13 @@ def attention_plan(
         n_tokens: rows T of q/k/v (default: the batch's rows, ``placement.n_rows``, or
             ``cu_seqlens[-1]``).
         seq_lens: ``causal=False``: true lengths (default: the batch's).
+        window: the left window ``W`` of sliding-window attention (an int >= 1, causal
+            only: the query at global position p of a document sees keys p - W + 1 .. p,
+            W keys; transformers' ``config.sliding_window`` is W, flash-attn's
+            ``window_size=(W - 1, 0)`` is W), None for none, or a list of windows (a
+            model's per-layer windows, None for its full layers: ``plan.for_window(W)``
+            gives each layer's plan; the first is the returned plan's own).
+        sinks: the layers pass per-head sink logits ``[Hq]`` (GPT-OSS) to every call.
 
     Returns: a :class:`CPAttentionPlan` (zigzag) or :class:`PerDocumentPlan`, read-only;
     ``plan.rope_args()`` gives RoPE's keyword arguments for its layout (positions built
@@ -132,7 +142,7 @@ def attention_plan(
     common = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype,
                   group=group, causal=causal, method=method, ulysses_size=ulysses_size,
                   softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
-                  backend=backend)
+                  backend=backend, window=window, sinks=sinks)
     if laid == "per_document":
         plan = PerDocumentPlan.build(kw.pop("placement"), **kw, **common)
     else:
@@ -213,6 +223,8 @@ def context_parallel_attention(
     return_lse: bool = False,
     ulysses_size: int | None = None,
     placement: DocumentPlacement | None = None,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of sequences split across the CP group: the one public attention entry.
 
@@ -270,6 +282,22 @@ def context_parallel_attention(
             of C (consecutive ranks; C / U groups in a ring); ``"ulysses"``: None
             or C; other methods: None. Needs ``Hq % U == 0`` and ``Hkv % U == 0``
             or ``U % Hkv == 0`` (ValueError with the arithmetic).
+        window: sliding-window attention with a left window ``W`` (an int >= 1; needs
+            causal): the query at global position ``p`` of a document sees the keys at
+            ``p - W + 1 .. p``. transformers' ``config.sliding_window = S`` is ``W = S``
+            (its mask: ``kv_idx > q_idx - S``); flash-attn's ``window_size=(left, 0)`` is
+            ``W = left + 1``. With ``plan``: None (the plan's window) or one of the plan's
+            ``windows`` (``plan.for_window(W)``); without, part of the ranks' agreement.
+            Blocks no query sees are skipped and, with the ring, the K/V rows nobody sees
+            are never sent (a ``W - 1`` row halo per chunk when W is below the chunk).
+            Backends: reference, torch_flash, flash_attn (others raise ValueError).
+        sinks: per-head sink logits ``[Hq]`` (q's dtype or float32, on q's device;
+            GPT-OSS's ``sinks``): every row's softmax denominator gains ``exp(sinks[h])``,
+            with no value, once per row after all partials are merged (the LSE returned
+            includes it); differentiable. Each rank's gradient of ``sinks`` holds its rows'
+            share (summed over the CP group by the usual gradient reduction of replicated
+            parameters). Without ``plan``: agreed across ranks (shape, dtype); with one,
+            needs ``plan.sinks``.
 
     Choosing the method: ``"ring"`` (the default) holds one extra K/V block
     (``1 / C`` of the global K/V) and overlaps every exchange with a step of
@@ -309,18 +337,20 @@ def context_parallel_attention(
         return per_document_attention(
             q, k, v, cu_seqlens, max_seqlen, placement=placement, plan=plan, group=group,
             causal=causal, softmax_scale=softmax_scale, method=method, backend=backend,
-            seq_lens=seq_lens, ulysses_size=ulysses_size, return_lse=return_lse)
+            seq_lens=seq_lens, ulysses_size=ulysses_size, return_lse=return_lse,
+            window=window, sinks=sinks)
     if placement is not None:
         raise ValueError("plan: a zigzag CPAttentionPlan with placement= (pass one or the other)")
     if plan is None:
-        found = []
-
         def check():  # inside the build's agreement: one rank's error reaches every rank
             check_tensors(q, k, v)
             check_bool("return_lse", return_lse)
             check_cu_seqlens(cu_seqlens, device=q.device)
             check_softmax_scale(softmax_scale)
-            found.append(get_backend(backend or "auto", q, cu_seqlens.numel() - 1))
+            check_sinks(sinks, q)
+            # its errors inside the agreement (the plan then resolves it for its schedule)
+            get_backend(backend or "auto", q, cu_seqlens.numel() - 1,
+                        windowed=window is not None)
 
         ok = check_tensors(q, k, v, raise_=False)
         plan = CPAttentionPlan.build(
@@ -330,8 +360,9 @@ def context_parallel_attention(
             n_tokens=q.shape[0] if ok else None, group=group,
             causal=True if causal is None else causal, method=method or "ring",
             seq_lens=seq_lens, ulysses_size=ulysses_size, softmax_scale=softmax_scale,
-            _check=check, _extra_sig={"backend": backend or "auto"})
-        be = found[0]
+            window=window, sinks=sinks is not None, _check=check,
+            _extra_sig={"backend": backend or "auto", **_sinks_sig(sinks)})
+        be = get_backend(backend or "auto", q, plan.n_seqs, windowed=plan.windowed)
     elif not isinstance(plan, CPAttentionPlan):
         raise TypeError(f"plan must be a CPAttentionPlan or PerDocumentPlan, got "
                         f"{type(plan).__name__}")
@@ -339,9 +370,20 @@ def context_parallel_attention(
         check_tensors(q, k, v)
         check_bool("return_lse", return_lse)
         softmax_scale = check_softmax_scale(softmax_scale)
+        if window is not None:
+            plan = plan.for_window(window)
+        check_sinks(sinks, q)
         plan.check_call(q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
-                        ulysses_size, softmax_scale, backend)
-        be = get_backend(backend or plan.backend or "auto", q, plan.n_seqs)
+                        ulysses_size, softmax_scale, backend, sinks)
+        be = get_backend(backend or plan.backend or "auto", q, plan.n_seqs,
+                         windowed=plan.windowed)
     scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
-    out, lse = run_plan(q, k, v, plan, be, scale)
+    out, lse = run_plan(q, k, v, plan, be, scale, sinks)
     return (out, lse) if return_lse else out
+
+
+def _sinks_sig(sinks) -> dict:
+    """What the ranks must agree on about a call's sinks (shape and dtype, not values)."""
+    if not isinstance(sinks, torch.Tensor):
+        return {}
+    return {"sinks_shape": tuple(sinks.shape), "sinks_dtype": str(sinks.dtype)}

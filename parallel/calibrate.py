@@ -61,6 +61,11 @@ def _time(fn, sync, iters: int) -> float:
     return (time.perf_counter() - t0) / iters
 
 
+CROSSOVER_ROWS = 131072
+"""Rows per timed call of the crossover measurement (documents of 256 .. 131072 rows, 32 query
+and 8 KV heads): every call compute-bound. At 32768 rows and 8 heads the short documents' calls
+are host-bound (1.3 ms per call on an H200) and the two kernels tie there by noise: measured
+{64: 64, 128: 128}, against cuDNN 1.26-1.29x faster at 256 rows in the benchmark."""
 NEVER = 2 ** 31 - 1
 """A crossover no document reaches: FA4 was slower at every measured length."""
 
@@ -89,7 +94,7 @@ def _timer(device, dtype, heads, kv_heads, head_dim, sync, iters, gen):
         dout = torch.randn_like(q)
 
         def step():
-            out = context_parallel_attention(q, k, v, cu.to(device), L, plan=plan)
+            out = context_parallel_attention(q, k, v, plan=plan)
             out.backward(dout)
         return _time(step, sync, iters)
     return time_it
@@ -117,8 +122,8 @@ def measure(device: torch.device | str | None = None, *, backend: str = "auto",
     backend with a prebuilt plan, giving TFLOP/s at ``(L + 1) / 2`` keys per row. With
     ``backend="auto"`` on a GPU where cudnn and fa4 both run, both are timed, and the
     crossover table (:attr:`Calibration.crossover`) is measured at each of
-    ``crossover_dims``: both kernels at ``L`` = 64, 128, ... tokens, the crossover by
-    :func:`crossover_from`. ``call_us`` from a one-row call; ``hbm_gbps`` from a large copy;
+    ``crossover_dims``: both kernels on documents of ``L`` = 256, 512, ... rows packed into
+    :data:`CROSSOVER_ROWS` (32 / 8 heads), the crossover by :func:`crossover_from`. ``call_us`` from a one-row call; ``hbm_gbps`` from a large copy;
     links: all-to-all, all-gather and a ring ``send/recv`` of 64 MiB over ``group``.
     Without a group the link constants stay the shipped defaults. On a CPU (for testing)
     tokens are capped at 1024 with the reference backend in float32.
@@ -148,13 +153,13 @@ def measure(device: torch.device | str | None = None, *, backend: str = "auto",
             tables[b].append(3.5 * 4 * pairs * heads * head_dim / t / 1e12)
         L *= 4
     crossover = {}
-    if kernels == ["cudnn", "fa4"]:
+    if kernels == ["cudnn", "fa4"]:  # compute-bound sizes: 32 / 8 heads, >= 131072 rows
+        rows = max(tokens, CROSSOVER_ROWS)
         for d in crossover_dims:
-            timer = _timer(device, dtype, heads, kv_heads, d, sync, iters, gen)
-            lengths = [64 << i for i in range(max(1, (tokens // 64).bit_length()))]
-            lengths = [n for n in lengths if n <= tokens]
-            tc = [timer(n, tokens, "cudnn") for n in lengths]
-            tf = [timer(n, tokens, "fa4") for n in lengths]
+            timer = _timer(device, dtype, 32, 8, d, sync, iters, gen)
+            lengths = [n for n in (256 << i for i in range(10)) if n <= rows]
+            tc = [timer(n, rows, "cudnn") for n in lengths]
+            tf = [timer(n, rows, "fa4") for n in lengths]
             crossover[int(d)] = crossover_from(lengths, tc, tf)
     call_us = time_it(1, 1, kernels[0]) * 1e6 / 2
     x = torch.empty(64 << 20 if cuda else 1 << 20, dtype=torch.uint8, device=device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["METHODS", "A2A_METHODS", "BACKENDS", "BACKEND_CHOICES", "PLACEMENTS", "AUTO",
+__all__ = ["METHODS", "A2A_METHODS", "BACKENDS", "BACKEND_CHOICES", "WINDOW_BACKENDS", "PLACEMENTS", "AUTO",
            "LOSS_IMPLS", "Method", "Backend", "PlacementName", "LossImpl"]
 
 AUTO = "auto"
@@ -24,6 +24,11 @@ BACKENDS = ("cudnn", "fa4", "flash_attn", "torch_cudnn", "torch_flash", "referen
 """Block backends, in the order ``"auto"`` tries them (:mod:`cp_rope.parallel._blocks`)."""
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
+
+WINDOW_BACKENDS = ("flash_attn", "torch_flash", "reference")
+"""Block backends that run sliding-window blocks (``window=`` of
+:func:`cp_rope.parallel.attention_plan`), in the order ``"auto"`` tries them for a windowed
+plan; the others refuse one (sinks need nothing of a backend: they enter after the merge)."""
 
 PLACEMENTS = ("zigzag", "per_document")
 """Where documents go (:mod:`cp_rope.parallel.placement`)."""

@@ -27,6 +27,14 @@ from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 from ._blocks import get_backend
 from ._device import to_device
 from ._dispatch import run_plan
+from ._window import (
+    check_call_sinks,
+    check_sinks,
+    check_windows,
+    copy_plan,
+    link_variants,
+    plan_for_window,
+)
 from .choices import BACKEND_CHOICES, METHODS
 from .placement import DocumentPlacement, check_group_size, check_local_cu_seqlens
 from .plan import (
@@ -55,13 +63,14 @@ class PerDocumentPlan(FrozenPlan):
     attributes: ``placement``, ``split``, ``whole``, ``split_rows``, ``n_tokens``,
     ``group`` (the split plan's group; None without split documents or at cp_size 1),
     ``cp_rank``, ``method``, ``causal``, ``ulysses_size``, ``softmax_scale``, ``backend``,
-    ``cu_seqlens`` / ``max_seqlen`` (this rank's local ones); ``kind`` =
-    ``"per_document"``.
+    ``cu_seqlens`` / ``max_seqlen`` (this rank's local ones), ``window`` / ``windows`` /
+    ``sinks`` (as :class:`CPAttentionPlan`'s: :meth:`for_window` gives the plan of another
+    of its windows); ``kind`` = ``"per_document"``.
     """
 
     __slots__ = ("placement", "split", "whole", "split_rows", "n_tokens", "group", "cp_rank",
                  "method", "causal", "ulysses_size", "softmax_scale", "backend", "cu_seqlens",
-                 "max_seqlen", "_rope")
+                 "max_seqlen", "window", "windows", "sinks", "_variants", "_rope")
 
     kind = "per_document"
 
@@ -71,6 +80,7 @@ class PerDocumentPlan(FrozenPlan):
               group: dist.ProcessGroup | None = None, causal: bool = True, method: str = "ring",
               seq_lens: torch.Tensor | None = None, ulysses_size: int | None = None,
               softmax_scale: float | None = None, backend: str | None = None,
+              window: int | None | tuple = None, sinks: bool = False,
               _check=None) -> PerDocumentPlan:
         """Build the plan of this rank's shard; collective over ``group`` (more than one rank):
         one ``all_gather_object`` of the ranks' argument checks, arguments and placement
@@ -80,7 +90,8 @@ class PerDocumentPlan(FrozenPlan):
         Args: as :meth:`CPAttentionPlan.build`, with the batch's ``placement`` instead of
         ``cu_seqlens`` / ``max_seqlen``; ``n_tokens`` defaults to ``placement.n_rows``;
         ``method`` / ``ulysses_size`` are the split documents' (whole ones attend locally);
-        ``seq_lens`` (``causal=False``): true lengths ``[B_r]`` of the local sequences.
+        ``seq_lens`` (``causal=False``): true lengths ``[B_r]`` of the local sequences;
+        ``window`` / ``sinks``: both parts' (whole documents get the window locally).
 
         Raises: TypeError if ``placement`` is not a DocumentPlacement; ValueError if the
         group size is not ``placement.cp_size`` or ``n_tokens`` is below this rank's rows;
@@ -111,6 +122,8 @@ class PerDocumentPlan(FrozenPlan):
             check_choice("method", method, METHODS)  # a batch without split documents too
             check_ulysses_args(method, ulysses_size, size, q_heads, kv_heads)
             check_bool("causal", causal)
+            check_bool("sinks", sinks)
+            windows = check_windows(window, causal)
             softmax_scale = check_softmax_scale(softmax_scale)
             if backend is not None:
                 check_choice("backend", backend, BACKEND_CHOICES)
@@ -120,7 +133,7 @@ class PerDocumentPlan(FrozenPlan):
                    "shape": (q_heads, kv_heads, head_dim), "dtype": str(dtype),
                    "n_tokens": n_tokens, "causal": causal, "method": method,
                    "ulysses_size": ulysses_size, "softmax_scale": softmax_scale,
-                   "backend": backend}
+                   "backend": backend, "window": list(windows), "sinks": sinks}
         except (TypeError, ValueError) as exc:
             error = exc
         if group is not None:
@@ -131,7 +144,7 @@ class PerDocumentPlan(FrozenPlan):
                              head_dim=head_dim, dtype=dtype, device=device, n_tokens=n_tokens,
                              causal=causal, method=method, seq_lens=seq_lens,
                              ulysses_size=ulysses_size, softmax_scale=softmax_scale,
-                             backend=backend)
+                             backend=backend, window=window, sinks=sinks)
 
     @classmethod
     def simulated(cls, placement: DocumentPlacement, cp_rank: int, **kwargs) -> PerDocumentPlan:
@@ -156,12 +169,14 @@ class PerDocumentPlan(FrozenPlan):
     @classmethod
     def _assemble(cls, placement, size, rank, split_plan, *, q_heads, kv_heads, head_dim, dtype,
                   device, n_tokens=None, causal=True, method="ring", seq_lens=None,
-                  ulysses_size=None, softmax_scale=None, backend=None):
+                  ulysses_size=None, softmax_scale=None, backend=None, window=None, sinks=False):
         cu, n_tokens = _check_local(placement, size, rank, n_tokens, seq_lens)
         device = check_device(device)
+        windows = check_windows(window, causal)
         ns, rows = placement.num_split, placement.split_rows
         kw = dict(q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=dtype, device=device,
-                  causal=causal, softmax_scale=softmax_scale, backend=backend)
+                  causal=causal, softmax_scale=softmax_scale, backend=backend,
+                  window=list(windows), sinks=sinks)
         self = object.__new__(cls)
         self.placement, self.split_rows, self.n_tokens, self.cp_rank = placement, rows, n_tokens, rank
         self.method, self.causal, self.ulysses_size = method, causal, ulysses_size
@@ -175,9 +190,18 @@ class PerDocumentPlan(FrozenPlan):
             method="ring", seq_lens=None if seq_lens is None else seq_lens[ns:], **kw)
         self.cu_seqlens = to_device(cu, device)
         self.max_seqlen = placement.max_seqlen(rank)
+        self.window, self.windows, self.sinks = windows[0], windows, sinks
         self._rope = None
         self._freeze(seq_lens)
+        link_variants({w: self if w == windows[0] else copy_plan(
+            self, window=w, split=self.split and self.split.for_window(w),
+            whole=self.whole.for_window(w)) for w in windows})
         return self
+
+    def for_window(self, window) -> PerDocumentPlan:
+        """The plan of the same batch for ``window`` (one of :attr:`windows`; None: no
+        window). Raises ValueError naming ``window`` for another."""
+        return plan_for_window(self, window)
 
     def rope_args(self) -> dict:
         """Keyword arguments of :func:`cp_rope.apply_rotary_emb_qk` for this shard:
@@ -195,7 +219,7 @@ class PerDocumentPlan(FrozenPlan):
         return dict(self._rope)
 
     def check_call(self, q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
-                   seq_lens, ulysses_size, softmax_scale, backend) -> None:
+                   seq_lens, ulysses_size, softmax_scale, backend, sinks=None) -> None:
         """Raise ValueError naming ``plan`` if a call's arguments are not this plan's batch
         (host checks, no sync; None: the plan's)."""
         want, dtype, device = self.whole.shape, self.whole.dtype, self.whole.device
@@ -220,6 +244,7 @@ class PerDocumentPlan(FrozenPlan):
                 raise ValueError(f"plan: built for {name}={want!r}, got {name}={got!r} (pass "
                                  f"None to use the plan's)")
         _check_rows(self.placement, self.cp_rank, q, cu_seqlens, max_seqlen, self.n_tokens)
+        check_call_sinks(self.sinks, sinks)
         self.check_unchanged()
         for part in (self.split, self.whole):
             if part is not None:
@@ -284,6 +309,8 @@ def per_document_attention(
     seq_lens: torch.Tensor | None = None,
     ulysses_size: int | None = None,
     return_lse: bool = False,
+    window: int | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of a per-document shard: equals attention over the global sequences.
 
@@ -301,10 +328,10 @@ def per_document_attention(
             (``batch.placement``); or
         plan: a :class:`PerDocumentPlan` of the batch (built once, reused by every layer).
         group: the CP group (size ``placement.cp_size``); with ``plan``: None or the plan's.
-        causal, softmax_scale, method, backend, ulysses_size, return_lse: as
+        causal, softmax_scale, method, backend, ulysses_size, return_lse, window, sinks: as
             :func:`context_parallel_attention` (None: the plan's, or causal, 1/sqrt(D), ring
             and auto without one); the method (and ``ulysses_size``) runs the split
-            documents.
+            documents, the window applies to both parts.
         seq_lens: ``causal=False`` only, without ``plan``: int ``[B_r]`` true lengths of
             the *local* sequences (``batch.seq_lens[placement.seq_ids(r)]``).
 
@@ -331,6 +358,7 @@ def per_document_attention(
             check_group_size(placement, dist.get_world_size(group) if multi else 1)
             _check_rows(placement, dist.get_rank(group) if multi else 0, q, cu_seqlens,
                         max_seqlen, None)
+            check_sinks(sinks, q)
 
         ok = check_tensors(q, k, v, raise_=False)
         plan = PerDocumentPlan.build(
@@ -339,7 +367,7 @@ def per_document_attention(
             device=q.device if ok else "cpu", n_tokens=q.shape[0] if ok else None, group=group,
             causal=True if causal is None else causal, method=method or "ring",
             seq_lens=seq_lens, ulysses_size=ulysses_size, softmax_scale=softmax_scale,
-            backend=backend, _check=check)
+            backend=backend, window=window, sinks=sinks is not None, _check=check)
     elif not isinstance(plan, PerDocumentPlan):
         raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
                         f"{type(plan).__name__}")
@@ -347,8 +375,11 @@ def per_document_attention(
         check_tensors(q, k, v)
         check_bool("return_lse", return_lse)
         softmax_scale = check_softmax_scale(softmax_scale)
+        if window is not None:
+            plan = plan.for_window(window)
+        check_sinks(sinks, q)
         plan.check_call(q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
-                        seq_lens, ulysses_size, softmax_scale, backend)
+                        seq_lens, ulysses_size, softmax_scale, backend, sinks)
     scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
     backend = backend or plan.backend or "auto"
     ns, n_whole = plan.split_rows, plan.n_tokens - plan.split_rows
@@ -360,11 +391,11 @@ def per_document_attention(
         vs = vw = v
     parts = []
     if plan.split is not None:
-        parts.append(run_plan(qs, ks, vs, plan.split, get_backend(backend, qs, plan.split.n_seqs),
-                              scale))
+        parts.append(run_plan(qs, ks, vs, plan.split, get_backend(
+            backend, qs, plan.split.n_seqs, windowed=plan.split.windowed), scale, sinks))
     if n_whole or plan.split is None:
-        parts.append(run_plan(qw, kw_, vw, plan.whole, get_backend(backend, qw, plan.whole.n_seqs),
-                              scale))
+        parts.append(run_plan(qw, kw_, vw, plan.whole, get_backend(
+            backend, qw, plan.whole.n_seqs, windowed=plan.whole.windowed), scale, sinks))
     out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
     if not return_lse:
         return out

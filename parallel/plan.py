@@ -50,6 +50,15 @@ from cp_rope.validation import (
 from ._agree import agree_across_ranks
 from ._device import to_device
 from ._schedule import Layout
+from ._window import (
+    check_call_sinks,
+    check_windows,
+    copy_plan,
+    effective_window,
+    has_window_blocks,
+    link_variants,
+    plan_for_window,
+)
 from .allgather import allgather_schedule
 from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
 from .ring import ring_schedule
@@ -188,7 +197,10 @@ class CPAttentionPlan(FrozenPlan):
     q/k/v), ``n_valid`` (``cu_seqlens[-1]``), ``n_seqs`` (B), ``group``, ``cp_size``,
     ``cp_rank``, ``method``, ``causal``, ``seq_lens``, ``ulysses_size`` (all-to-all group
     size U of ulysses / hybrid, else 1), ``shape`` (``(Hq, Hkv, D)``), ``dtype``,
-    ``device``, ``softmax_scale`` (None: each call's), ``backend`` (None: each call's);
+    ``device``, ``softmax_scale`` (None: each call's), ``backend`` (None: each call's),
+    ``window`` (the left window W of this plan, None: none; :mod:`cp_rope.parallel._window`
+    states the convention), ``windows`` (every window the batch's plan serves:
+    :meth:`for_window`), ``sinks`` (whether calls pass per-head sink logits);
     the schedule ``blocks`` (read-only mapping of block tuples by phase), ``indices``
     (mapping of device index tensors) and ``terms``; ``kind`` = ``"zigzag"``.
     """
@@ -196,7 +208,7 @@ class CPAttentionPlan(FrozenPlan):
     __slots__ = ("cu_seqlens", "cu_seqlens_host", "max_seqlen", "n_tokens", "n_valid", "n_seqs",
                  "group", "cp_size", "cp_rank", "method", "causal", "seq_lens", "shape", "dtype",
                  "device", "blocks", "indices", "terms", "ulysses_size", "softmax_scale",
-                 "backend", "_rope")
+                 "backend", "window", "windows", "sinks", "_variants", "_rope")
 
     kind = "zigzag"
 
@@ -207,6 +219,7 @@ class CPAttentionPlan(FrozenPlan):
               causal: bool = True, method: str = "ring",
               seq_lens: torch.Tensor | None = None, ulysses_size: int | None = None,
               softmax_scale: float | None = None, backend: str | None = None,
+              window: int | None | tuple = None, sinks: bool = False,
               _check=None, _extra_sig=None) -> CPAttentionPlan:
         """Build the plan of one batch (collective over ``group`` when it has > 1 rank).
 
@@ -223,6 +236,12 @@ class CPAttentionPlan(FrozenPlan):
                 ``context_parallel_attention``.
             softmax_scale, backend: fixed in the plan and agreed across the ranks; None
                 leaves them to each call (not agreed; :func:`attention_plan` fixes both).
+            window: the left window ``W`` (an int >= 1: a query at position p sees keys
+                p - W + 1 .. p; needs ``causal``), None for none, or a list of them (a
+                model's per-layer windows; the first is this plan's, the others are
+                :meth:`for_window`'s): every schedule is built now and agreed.
+            sinks: the calls pass per-head sink logits ``[Hq]`` (agreed; a call that
+                passes them or not against the plan raises).
 
         Raises:
             TypeError / ValueError: a bad argument, named (cu_seqlens content included;
@@ -247,6 +266,8 @@ class CPAttentionPlan(FrozenPlan):
                 raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads "
                                  f"({kv_heads})")
             check_bool("causal", causal)
+            check_bool("sinks", sinks)
+            windows = check_windows(window, causal)
             check_choice("method", method, METHODS)
             device = check_device(device)
             softmax_scale = check_softmax_scale(softmax_scale)
@@ -263,13 +284,15 @@ class CPAttentionPlan(FrozenPlan):
             ulysses = check_ulysses_args(method, ulysses_size, cp_size, q_heads, kv_heads)
             lay = Layout(cu_host.to(torch.int64), max_seqlen, n_tokens, cp_size, cp_rank, causal,
                          seq_host, device, ulysses)
+            lens = cu_host[1:] - cu_host[:-1]
+            longest = int(lens.max()) * cp_size if lens.numel() else 0
             sig = {"layout": "zigzag", "q": (n_tokens, q_heads, head_dim),
                    "k": (n_tokens, kv_heads, head_dim), "dtype": str(dtype),
                    "max_seqlen": max_seqlen, "causal": causal, "method": method,
                    "ulysses_size": ulysses_size, "softmax_scale": softmax_scale,
                    "backend": backend, "cu_seqlens": cu_host.tolist(),
                    "seq_lens": None if seq_host is None else seq_host.tolist(),
-                   **(_extra_sig or {})}
+                   "window": list(windows), "sinks": sinks, **(_extra_sig or {})}
         except (TypeError, ValueError) as exc:
             error = exc
         if group is not None:  # cp_size > 1
@@ -284,14 +307,35 @@ class CPAttentionPlan(FrozenPlan):
         self.method, self.causal, self.seq_lens = method, causal, seq_lens
         self.shape, self.dtype, self.device = (q_heads, kv_heads, head_dim), dtype, device
         self.ulysses_size, self.softmax_scale, self.backend = ulysses, softmax_scale, backend
-        blocks, indices, self.terms = _SCHEDULES[method if cp_size > 1 else "ring"](lay)
-        self.blocks = types.MappingProxyType(blocks)
-        self.indices = types.MappingProxyType(indices)
+        self.window, self.windows, self.sinks = windows[0], windows, sinks
+        self._schedule(lay, longest)
         self._rope = None
         if self.algorithm in A2A_METHODS and group is not None:  # subgroups now (collective), cached
             a2a_groups(group, ulysses)
         self._freeze(cu_seqlens, cu_host, seq_lens)
+        variants = {w: copy_plan(self, window=w) for w in windows[1:]}  # the same batch
+        for other in variants.values():
+            other._schedule(lay, longest)
+        link_variants({windows[0]: self, **variants})
         return self
+
+    def _schedule(self, lay: Layout, longest: int) -> None:
+        """Blocks, indices and terms of ``self.window`` (set while building)."""
+        lay = dataclasses.replace(lay, window=effective_window(self.window, longest))
+        blocks, indices, terms = _SCHEDULES[self.method if self.cp_size > 1 else "ring"](lay)
+        object.__setattr__(self, "blocks", types.MappingProxyType(blocks))
+        object.__setattr__(self, "indices", types.MappingProxyType(indices))
+        object.__setattr__(self, "terms", terms)
+
+    def for_window(self, window) -> CPAttentionPlan:
+        """The plan of the same batch for ``window`` (one of :attr:`windows`, which the build
+        agreed; None: no window). Raises ValueError naming ``window`` for another."""
+        return plan_for_window(self, window)
+
+    @property
+    def windowed(self) -> bool:
+        """Whether the schedule has windowed blocks (a window shorter than some document)."""
+        return has_window_blocks(self.blocks)
 
     @classmethod
     def simulated(cls, cu_seqlens: torch.Tensor, max_seqlen: int, *, cp_size: int, cp_rank: int,
@@ -333,7 +377,7 @@ class CPAttentionPlan(FrozenPlan):
         return dict(self._rope)
 
     def check_call(self, q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
-                   ulysses_size=None, softmax_scale=None, backend=None) -> None:
+                   ulysses_size=None, softmax_scale=None, backend=None, sinks=None) -> None:
         """Raise ValueError naming ``plan`` if a call's arguments are not the plan's batch.
 
         Host checks only (no sync): shapes, dtype, device, the group object, the flags
@@ -372,6 +416,7 @@ class CPAttentionPlan(FrozenPlan):
                              f"{softmax_scale} (pass None to use the plan's)")
         if backend is not None and self.backend is not None and backend != self.backend:
             raise ValueError(f"plan: built for backend={self.backend!r}, got {backend!r}")
+        check_call_sinks(self.sinks, sinks)
         self.check_unchanged()
 
     def __repr__(self) -> str:

@@ -27,9 +27,11 @@ import torch
 from cp_rope.positions import global_positions
 
 from . import _accumulate
-from ._accumulate import OutAcc, Rows, add_grads
+from ._accumulate import OutAcc, Rows, add_grads, sink_grad
 from ._ring import ring_exchange
 from ._schedule import Layout, segments
+from ._window import window_ring_schedule
+from ._window_ring import window_backward, window_forward
 
 __all__ = ["ring_schedule", "ring_forward", "ring_backward"]
 
@@ -49,6 +51,8 @@ def _real_key_counts(lay: Layout) -> torch.Tensor:
 def ring_schedule(lay: Layout):
     """Ring (TransformerEngine's load-balanced ring): step ``i`` holds the K/V of rank
     ``src = (r - i) mod C``; see :mod:`cp_rope.parallel.attention`."""
+    if lay.window is not None:  # a window that masks: the windowed ring (cp_rope.parallel._window)
+        return window_ring_schedule(lay)
     C, r, M, causal = lay.cp_size, lay.cp_rank, lay.max_seqlen, lay.causal
     a, e, end = lay.cu[:-1], lay.cu[1:], lay.cu[-1]
     h = (e - a) // 2
@@ -72,9 +76,12 @@ def ring_schedule(lay: Layout):
     return {"ring": tuple(steps)}, {}, C
 
 
-def ring_forward(group, q, k, v, plan, be, scale):
-    """Ring forward: ``C`` steps, the next K/V exchange in flight while a block computes.
-    Returns (out, lse, per-step backend state)."""
+def ring_forward(group, q, k, v, plan, be, scale, sinks=None):
+    """Ring forward: ``C`` steps, the next K/V exchange in flight while a block computes;
+    ``sinks`` (``[Hq]`` or None) enter once after the merge. Returns (out, lse, per-step
+    backend state)."""
+    if "window" in plan.blocks:
+        return window_forward(group, q, k, v, plan, be, scale, sinks)
     acc = OutAcc(q, _accumulate.acc_dtype(q.dtype, plan.terms, be))
     auxs = []
     C = plan.cp_size
@@ -89,12 +96,15 @@ def ring_forward(group, q, k, v, plan, be, scale):
         del parts  # before the next block's kernel allocates its own
         if i + 1 < C:
             kv = ring.wait()
-    return (*acc.result(plan, q.dtype), auxs)
+    return (*acc.result(plan, q.dtype, sinks), auxs)
 
 
-def ring_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
+def ring_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks=None):
     """Ring backward: the K/V travel again, with the dK/dV of the block in hand; they reach
-    their owner one exchange after the last step. Returns (dq, dk, dv) accumulators."""
+    their owner one exchange after the last step. Returns (dq, dk, dv) accumulators and
+    the gradient of ``sinks`` from this rank's rows (None without sinks)."""
+    if "window" in plan.blocks:
+        return window_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks)
     C, dev = plan.cp_size, q.device
     dq = Rows(q.shape, _accumulate.acc_dtype(q.dtype, plan.terms, be), dev)
     home = _accumulate.acc_dtype(q.dtype, min(plan.terms, 2), be)  # own block + what comes back
@@ -130,4 +140,4 @@ def ring_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs):
         back_k, back_v = dkv_ring.wait()
         dk.add(0, back_k)
         dv.add(0, back_v)
-    return dq, dk, dv
+    return dq, dk, dv, None if sinks is None else sink_grad(dout, out, lse, sinks, plan.n_valid)

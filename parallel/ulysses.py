@@ -81,6 +81,7 @@ from cp_rope.validation import check_int
 from . import _compat
 from ._accumulate import Rows
 from ._device import to_device
+from ._window import check_window, window_ring_rows
 from .choices import A2A_METHODS, METHODS
 from .ring import ring_backward, ring_forward, ring_schedule
 from .sharding import cp_shard_indices, rank_major_index
@@ -277,7 +278,16 @@ def _local_heads(h: int, u: int) -> int:
 
 # --------------------------------------------------------------------------- forward / backward
 
-def hybrid_forward(group, q, k, v, plan, be, scale):
+def _local_sinks(sinks, plan):
+    """The sink logits of this rank's ``Hq / U`` heads after the all-to-all (or None)."""
+    if sinks is None:
+        return None
+    u, hq_l = plan.ulysses_size, plan.shape[0] // plan.ulysses_size
+    g = plan.cp_rank % u  # rank in the all-to-all group: it receives heads [g hq_l, (g + 1) hq_l)
+    return sinks[g * hq_l:(g + 1) * hq_l]
+
+
+def hybrid_forward(group, q, k, v, plan, be, scale, sinks=None):
     """Hybrid (and Ulysses, ``U = C``) forward: all-to-all of q/k/v to ``H / U`` heads of
     the group's rows in the inner ring's order, the ring over the ring group (one block
     of whole documents when ``R = 1``), all-to-all of out/LSE back. Returns (out ``[T, Hq,
@@ -296,7 +306,9 @@ def hybrid_forward(group, q, k, v, plan, be, scale):
     qg, kg, vg = (flat[:, lo:hi].index_select(0, index)
                   for lo, hi in ((0, hq_l), (hq_l, hq_l + hkv_l), (hq_l + hkv_l, None)))
     del recv, flat
-    out_g, lse_g, auxs = ring_forward(ring, qg, kg, vg, inner, be, scale)
+    # the window (if any) is in the inner ring's schedule: applied to the whole sequences;
+    # the sinks to this rank's heads, once, after the inner ring's merge
+    out_g, lse_g, auxs = ring_forward(ring, qg, kg, vg, inner, be, scale, _local_sinks(sinks, plan))
     # back to the receive order (rank-major), then to the owners: out and LSE together
     back = out_g.new_empty(out_g.shape).index_copy_(0, index, out_g)
     lse_back = lse_g.new_empty(lse_g.shape).index_copy_(1, index, lse_g)
@@ -316,12 +328,13 @@ def hybrid_forward(group, q, k, v, plan, be, scale):
     return out, lse, ((qg, kg, vg, out_g, lse_g), auxs)
 
 
-def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs):
+def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs, sinks=None):
     """Hybrid (and Ulysses) backward: all-to-all of dout like q, the ring backward on
     the head-sharded ``qg, kg, vg, out_g, lse_g`` the forward kept (its state), all-to-all
     of dq/dk/dv back (in the input dtype; fp32 / fp64 when kv heads were shared by ``U /
     Hkv`` ranks, whose parts the owner sums). Returns (dq, dk, dv) accumulators of the
-    local ``[T, H, D]`` rows."""
+    local ``[T, H, D]`` rows and the sinks' gradient of this rank's heads and gathered rows
+    (zero for the other heads; None without sinks)."""
     u, n, a2a, ring, inner = _setup(plan)
     hq, hkv, d = plan.shape
     hq_l, hkv_l = hq // u, _local_heads(hkv, u)
@@ -332,8 +345,14 @@ def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs
     del send
     dout_g = recv.view(u * n, hq_l, d).index_select(0, index)
     del recv
-    grads = ring_backward(ring, dout_g, qg, kg, vg, out_g, lse_g, inner, be, scale, auxs)
+    *grads, ds_l = ring_backward(ring, dout_g, qg, kg, vg, out_g, lse_g, inner, be, scale, auxs,
+                                 _local_sinks(sinks, plan))
     del dout_g
+    ds = None
+    if ds_l is not None:
+        ds = ds_l.new_zeros(hq)
+        g = plan.cp_rank % u
+        ds[g * hq_l:(g + 1) * hq_l] = ds_l
     shared = hkv % u != 0
     gd = torch.promote_types(plan.dtype, torch.float32) if shared else plan.dtype
     back = torch.empty((u * n, hq_l + 2 * hkv_l, d), dtype=gd, device=dout.device)
@@ -350,14 +369,15 @@ def hybrid_backward(group, dout, qg, kg, vg, out_g, lse_g, plan, be, scale, auxs
         g = torch.zeros(shape, dtype=gd, device=dout.device)
         _heads_received(got[:, :, lo:hi], h, u, n, g)
         result.append(Rows(shape, gd, dout.device, g))
-    return tuple(result)
+    return (*result, ds)
 
 
 # --------------------------------------------------------------------------- volume
 
 def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head_dim: int,
                 cp_size: int, ulysses_size: int | None = None, elem_bytes: int = 2,
-                acc_bytes: int = 4) -> dict:
+                acc_bytes: int = 4, window: int | None = None, cu_seqlens=None,
+                cp_rank: int | None = None) -> dict:
     """Bytes one rank sends per attention layer, forward and backward:
     ``{"forward": ..., "backward": ..., "overlapped": ...}`` (a model of the code's
     exchanges; ``tests/test_ulysses.py`` checks it against the bytes counted on gloo for
@@ -372,6 +392,13 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
         acc_bytes: bytes per element of what travels as an accumulator or LSE (4: fp32;
             8 for fp64 inputs): ring dK/dV beyond C = 2, the all-gather's dK/dV
             reduce-scatter, dK/dV of kv heads shared by ``U / Hkv`` ranks, the LSE.
+        window, cu_seqlens, cp_rank: a sliding window ``W`` (None: none) changes the ring's
+            bytes (and hybrid's inner ring's): each step sends only the rows the receiver
+            sees (:mod:`cp_rope.parallel._window`), which depends on the documents, so a
+            window needs this rank's local ``cu_seqlens`` (host ints ``[B + 1]``) and
+            ``cp_rank``. The windowed ring's forward sends those rows of K and V; its
+            backward sends them again and the received rows' dK/dV back (``acc_bytes``).
+            All-gather and Ulysses move the same bytes with or without a window.
 
     ``"overlapped"``: bytes that travel while blocks compute (the ring's steps, the
     all-gather's forward gather). At C = 2 the ring's dK/dV travel in the input dtype
@@ -391,10 +418,25 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
                         ("acc_bytes", acc_bytes)):
         check_int(name, value, min_value=1)
     check_ulysses_args(method, ulysses_size, cp_size, q_heads, kv_heads)
+    window = check_window(window)
     C, T, D = cp_size, n_tokens, head_dim
     kv = 2 * T * kv_heads * D
     if C == 1:
         return {"forward": 0, "backward": 0, "overlapped": 0}
+    halo = None
+    if window is not None and method in ("ring", "hybrid"):
+        if cu_seqlens is None or cp_rank is None:
+            raise ValueError("window: comm_volume of a windowed ring needs cu_seqlens (this "
+                             "rank's local ones) and cp_rank")
+        check_int("cp_rank", cp_rank, min_value=0)
+        U = 1 if method == "ring" else ulysses_size
+        inner = torch.as_tensor(cu_seqlens, dtype=torch.int64) * U
+        halo = window_ring_rows(inner, C // U, cp_rank // U, window)
+    if method == "ring" and halo is not None:
+        sent, got = halo
+        fwd = sent * 2 * kv_heads * D * elem_bytes
+        bwd = fwd + got * 2 * kv_heads * D * acc_bytes
+        return {"forward": fwd, "backward": bwd, "overlapped": fwd + bwd}
     if method == "ring":
         fwd = (C - 1) * kv * elem_bytes
         bwd = (C - 1) * kv * elem_bytes + (C - 1) * kv * (elem_bytes if C == 2 else acc_bytes)
@@ -416,6 +458,10 @@ def comm_volume(method: str, *, n_tokens: int, q_heads: int, kv_heads: int, head
     ring_kv = 2 * U * T * max(kv_heads // U, 1) * D
     ring_fwd = (R - 1) * ring_kv * elem_bytes
     ring_bwd = (R - 1) * ring_kv * (elem_bytes + (elem_bytes if R == 2 else acc_bytes))
+    if halo is not None:  # the windowed inner ring: only the rows each rank sees
+        row = 2 * max(kv_heads // U, 1) * D
+        ring_fwd = halo[0] * row * elem_bytes
+        ring_bwd = ring_fwd + halo[1] * row * acc_bytes
     return {"forward": a2a_fwd * (U - 1) // U + ring_fwd,
             "backward": a2a_bwd * (U - 1) // U + ring_bwd,
             "overlapped": ring_fwd + ring_bwd}

@@ -6,7 +6,7 @@ Setting: Hq 32, Hkv 8 (GQA), head_dim 128, bf16, causal, documents packed THD.
 **One GPU** (``--nproc-per-node 1`` or plain ``python``): every layout of
 ``--layouts`` (default all)
 
-* ``1x131072``: one sequence of 131072 tokens;
+* ``1x131072``, ``1x65536``: one sequence of 131072 / 65536 tokens;
 * ``64x2048``, ``512x256``: 64 / 512 documents of 2048 / 256 tokens;
 * ``32768+64x1536``: one 32768-token document and 64 of 1536;
 * ``random``: 12 documents of 2048-16384 tokens (uniform, multiples of 128, seed 0);
@@ -15,7 +15,7 @@ Setting: Hq 32, Hkv 8 (GQA), head_dim 128, bf16, causal, documents packed THD.
 
 times ``context_parallel_attention`` at cp_size 1 with a plan built once per
 batch (outside the timed region, as the trainer does) for every block backend
-that runs the layout (``cudnn``, ``flash_attn`` if installed, ``torch_flash``,
+that runs the layout (``cudnn``, ``fa4`` / ``flash_attn`` if installed, ``torch_flash``,
 ``torch_cudnn`` for one sequence) and ``auto``, plus dense cuDNN SDPA
 (``F.scaled_dot_product_attention`` under the cuDNN backend, ``enable_gqa``) on
 ``[B, Hq, S, D]`` for the layouts of equal-length documents.
@@ -81,12 +81,12 @@ from cp_rope.parallel import (
     per_document_attention,
     place_documents,
 )
-from cp_rope.parallel._blocks import get_backend
-from cp_rope.parallel._compat import cudnn_frontend_unavailable, flash_attn_available
+from cp_rope.parallel._blocks import backend_unavailable, get_backend
+from cp_rope.parallel._compat import cudnn_frontend_unavailable, fa4_version
 from cp_rope.parallel.ulysses import comm_volume
 
-LAYOUT_NAMES = ("1x131072", "64x2048", "512x256", "32768+64x1536", "random", "stdlib",
-                "16384+4096x16", "shuffled-skew")
+LAYOUT_NAMES = ("1x131072", "1x65536", "64x2048", "512x256", "32768+64x1536", "random",
+                "stdlib", "16384+4096x16", "shuffled-skew")
 
 
 def parse_args() -> argparse.Namespace:
@@ -282,10 +282,9 @@ def one_gpu_backends(args, device) -> list[str]:
     if args.backends:
         return args.backends
     names = ["auto"]
-    if cudnn_frontend_unavailable() is None:
-        names.append("cudnn")
-    if flash_attn_available():
-        names.append("flash_attn")
+    names += ["cudnn"] if cudnn_frontend_unavailable() is None else []
+    names += [b for b in ("fa4", "flash_attn") if backend_unavailable(  # installed and runs
+        b, device=device, dtype=torch.bfloat16, head_dim=args.head_dim) is None]
     return names + ["torch_flash", "torch_cudnn"]
 
 
@@ -429,6 +428,7 @@ def format_report(args, world, rows, sim, elapsed) -> str:
         fe = f"cudnn-frontend {cudnn.__version__}"
     except ImportError:
         fe = "cudnn-frontend not installed"
+    fe += f", flash-attn-4 {fa4_version() or 'not installed'}"
     lines = [
         f"Command: `{cmd}`  ",
         f"Hardware: {world} x {torch.cuda.get_device_name()}; torch {torch.__version__}, "

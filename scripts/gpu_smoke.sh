@@ -24,6 +24,10 @@
 #   gpu_tests       the GPU-marked tests: the cuDNN / flash / torch CP attention backends, the
 #                   RoPE kernel (formula and plan positions), the fused loss and tiled MLP in
 #                   bf16 against their references
+#   fa4 part (when flash-attn-4 is importable: docs/parallel.md "FlashAttention-4"):
+#   pretrain_1b_fa4 pretrain_1b with --attn-backend fa4 (4 steps vs 2 + --resume)
+#   gpu_fa4         tests/test_fa4_gpu.py: fa4 and auto's cuDNN + FA4 split against float32, a
+#                   cp 2 ring simulated on one GPU, no host sync, no recompilation across batches
 # "Equal" means bit for bit when the GPU kernels are deterministic; the table says "exact" or
 # the largest relative difference, and a part fails above RTOL (default 1e-3: atomics in some
 # backward kernels make repeated GPU runs differ in the last bits).
@@ -158,6 +162,19 @@ chain pretrain_1b_mem cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4
     tests/test_loss_model.py > "$OUT/gpu_tests.log" 2>&1
   record gpu_tests $? "$(tail -1 "$OUT/gpu_tests.log")" "$t"
 ) &
+FA4_PARTS=""
+if "$PY" -c "from cp_rope.parallel._compat import fa4_unavailable as u; raise SystemExit(u() is not None)"; then
+  FA4_PARTS="pretrain_1b_fa4 gpu_fa4"
+  chain pretrain_1b_fa4 cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4 --seq-mode concat \
+    --seq-len 4096 --tokens-per-batch 8192 --warmup-steps 1 --tokenizer bytes --eval-docs 0 \
+    --attn-backend fa4 --no-tensorboard &
+  (
+    t=$(date +%s)
+    timeout 240 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fa4_gpu.py \
+      > "$OUT/gpu_fa4.log" 2>&1
+    record gpu_fa4 $? "$(tail -1 "$OUT/gpu_fa4.log")" "$t"
+  ) &
+fi
 wait
 
 for name in qwen3 llama; do (
@@ -223,7 +240,7 @@ echo "=== gpu_smoke summary ($(( $(date +%s) - T0 )) s) ==="
 printf '%-16s %-5s %6s  %s\n' part result secs detail
 status=0
 for name in pretrain_tiny finetune_qwen3 finetune_llama reload_qwen3 reload_llama pretrain_1b \
-    pretrain_1b_mem hf_patched_qwen3 hf_patched_llama gpu_tests; do
+    pretrain_1b_mem hf_patched_qwen3 hf_patched_llama gpu_tests $FA4_PARTS; do
   if [ -f "$RUNS/result-$name" ]; then
     IFS=$'\t' read -r n v s d < "$RUNS/result-$name"
   else

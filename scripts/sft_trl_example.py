@@ -3,9 +3,9 @@
 A local model directory (config.json, weights, tokenizer; never downloaded) and a local JSONL
 file (one document per line in ``--text-field``, tokenized by TRL with the directory's
 tokenizer), packed by TRL into rows of ``--seq-len`` tokens (``packing=True``, best-fit
-decreasing); each row is split over ``--cp-size`` ranks by cp_rope. The three lines that
-matter are marked ``# cp_rope``; ``--no-cp`` runs the same script without them (the
-single-process reference, or DP only).
+decreasing); each row is split over ``--cp-size`` ranks by cp_rope. The one call that
+matters is marked ``# cp_rope`` (``cp_rope.hf.prepare`` after the trainer is built);
+``--no-cp`` runs the same script without it (the single-process reference, or DP only).
 
 One process, CPU (float32, tiny model)::
 
@@ -48,9 +48,9 @@ import datasets
 import torch
 import torch.distributed as dist
 import transformers
+import trl
 
 import cp_rope.hf
-import trl
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -101,13 +101,19 @@ class Throughput(transformers.TrainerCallback):
         self.mark = None  # (time, tokens) at the end of step `warmup`
         self.end = None
 
-    def on_step_end(self, args, state, control, **kwargs):
+    def _now(self) -> tuple[float, int]:
         if self.cuda:
             torch.cuda.synchronize()
-        now = (time.perf_counter(), self.counter[0])
+        return time.perf_counter(), self.counter[0]
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.warmup == 0:
+            self.mark = self._now()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.end = self._now()
         if state.global_step == self.warmup:
-            self.mark = now
-        self.end = now
+            self.mark = self.end
 
 
 def counting(collate, counter: list):

@@ -208,4 +208,5 @@ def install_fake_kernels():
     real = att.get_backend
     fakes = {"fake_flash": lambda: _blocks._Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd),
              "fake_cudnn": _blocks._Cudnn, "fake_cudnn_thd": _blocks._CudnnTHD}
-    att.get_backend = lambda name, q, n: fakes[name]() if name in fakes else real(name, q, n)
+    att.get_backend = lambda name, q, n, **kw: fakes[name]() if name in fakes else real(name, q, n,
+                                                                                         **kw)

@@ -232,7 +232,7 @@ def test_cp1_results_are_the_kernel_outputs(monkeypatch):
     q, k, v, dout = (rand64(gen, 19, h, 8) for h in (4, 2, 2, 4))
     for be, lens in ((flash, [6, 0, 13]), (_blocks._Cudnn(), [19])):
         made.clear()
-        monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be: be)
+        monkeypatch.setattr(att, "get_backend", lambda name, q, n, be=be, **kw: be)
         cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
         qx, kx, vx = (t.clone().requires_grad_() for t in (q, k, v))
         out = context_parallel_attention(qx, kx, vx, cu, max(lens))

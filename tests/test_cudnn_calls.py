@@ -248,7 +248,8 @@ def fake_cudnn(monkeypatch):
     monkeypatch.setattr(_compat, "cudnn_dense_bwd", fake_cudnn_dense_bwd)
     real = _blocks.get_backend
     monkeypatch.setattr(att, "get_backend",
-                        lambda name, q, n: CudnnTHD() if name == "cudnn" else real(name, q, n))
+                        lambda name, q, n, **kw: CudnnTHD() if name == "cudnn" else real(name, q, n,
+                                                                                          **kw))
 
 
 SKEWED = {

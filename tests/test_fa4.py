@@ -1,6 +1,6 @@
 """The ``fa4`` block backend and ``auto``'s per-length dispatch (parallel/_fa4.py), on the CPU.
 
-The glue runs over fake kernels (tests/fa4_utils.py for FA4, tests/test_attention.py's for
+The glue runs over fake kernels (tests/fa4_utils.py for FA4, tests/attention_utils.py's for
 cuDNN: both write NaN wherever their kernel need not write) in float64 and is compared with
 the float64 oracle (cp 1) and with the reference backend on the same plans (simulated ranks
 of cp 2: ring and all-gather blocks, skipped keys, keyless queries). Then the rule: the
@@ -73,7 +73,8 @@ def fakes(monkeypatch):
     real = _blocks.get_backend
     made = {"fa4": Fa4, "cudnn": CudnnTHD, "auto": lambda: CudnnFa4(state["auto"])}
     monkeypatch.setattr(att, "get_backend",
-                        lambda name, q, n: made[name]() if name in made else real(name, q, n))
+                        lambda name, q, n, **kw: made[name]() if name in made else real(name, q, n,
+                                                                                        **kw))
     fa4_utils.CALLS.clear()
     CUDNN_CALLS.clear()
     return state
@@ -132,10 +133,11 @@ def _plan(local_cu, cp_size, rank, method, **kw):
 
 
 @pytest.mark.parametrize("method,causal", [("ring", True), ("allgather", True),
-                                           ("ring", False)])
+                                           ("ring", False), ("ulysses", True)])
 def test_simulated_ranks_match_reference(fakes, method, causal):
-    """Each rank of cp 2 (its blocks run in turn, the partials merged): fa4 and auto equal
-    the reference backend on the same plan and inputs, exactly in float64."""
+    """Each rank of cp 2 (its blocks run in turn, the partials merged; ulysses: its
+    head-sharded blocks over loopback all-to-alls): fa4 and auto equal the reference backend
+    on the same plan and inputs, exactly in float64."""
     lens = [4] * 20 + [260 * 2] + [4] * 20 + [0] + [150 * 2] + [16] * 10 + [4]
     local = _cu([n // 2 for n in lens])
     kw = {} if causal else {"causal": False, "seq_lens": torch.tensor(lens)}
@@ -214,7 +216,7 @@ def test_get_backend_auto_rule(monkeypatch):
         return None if b in runs else "no"
     monkeypatch.setattr(_blocks, "_unsupported", unsupported)
     use_calibration(None)
-    for d, cross in ((64, 2048), (128, 4096), (96, 4096)):
+    for d, cross in ((64, 1024), (128, 1024), (96, 1024)):
         be = _blocks.get_backend("auto", torch.zeros(4, 2, d), 3)
         assert isinstance(be, CudnnFa4) and be.crossover == cross == \
             default_calibration().crossover_at(d), (d, be.crossover)
@@ -280,6 +282,19 @@ def test_cost_model_auto_uses_the_crossover(monkeypatch):
     assert cost_model.predict(long, s, backend="auto", **kw) == pred["cudnn"]["long"]
 
 
+def test_crossover_at_nearest_head_dim():
+    import dataclasses
+
+    from cp_rope.parallel._calibration import default_calibration
+
+    cal = dataclasses.replace(default_calibration(), crossover={64: 500, 128: 900, 256: 3000})
+    got = {d: cal.crossover_at(d) for d in (8, 64, 80, 90, 96, 128, 181, 182, 4096)}
+    # nearest by ratio: 90.5 is the geometric middle of 64 / 128 (tie: the smaller head_dim)
+    assert got == {8: 500, 64: 500, 80: 500, 90: 500, 96: 900, 128: 900, 181: 900, 182: 3000,
+                   4096: 3000}, got
+    assert dataclasses.replace(cal, crossover={}).crossover_at(64) is None
+
+
 def test_crossover_measurement_rule():
     L = [64, 128, 256, 512, 1024]
     assert calibrate.crossover_from(L, [1, 2, 3, 4, 5], [2, 2, 3.5, 3.9, 4.9]) == 512
@@ -301,13 +316,13 @@ def test_calibration_file_keeps_and_checks_the_crossover(tmp_path, monkeypatch):
     save_calibration(cal, path)
     monkeypatch.setattr(_compat, "fa4_version", lambda: "4.0.0b36")
     got = load_calibration(path, "cpu")
-    assert got.crossover == {64: 2048, 128: 4096} and got.fa4_version == "4.0.0b36"
-    assert got.crossover_at(80) == 2048 and got.crossover_at(256) == 4096
+    assert got.crossover == {64: 1024, 128: 1024} and got.fa4_version == "4.0.0b36"
+    assert got.crossover_at(80) == 1024 and got.crossover_at(256) == 1024
     monkeypatch.setattr(_compat, "fa4_version", lambda: "4.0.0b40")
     with pytest.raises(CalibrationError, match="cal.json.*flash-attn-4 4.0.0b36.*4.0.0b40"):
         load_calibration(path, "cpu")
     monkeypatch.setattr(_compat, "fa4_version", lambda: None)  # FA4 absent: table unused
-    assert load_calibration(path, "cpu").crossover_at(64) == 2048
+    assert load_calibration(path, "cpu").crossover_at(64) == 1024
     raw = json.load(open(path))
     del raw["crossover"], raw["fa4_version"]  # a file from before FA4
     json.dump(raw, open(path, "w"))

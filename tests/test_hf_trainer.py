@@ -5,7 +5,8 @@ Tiny random float32 Qwen3 and Llama models saved to a directory (tests/hf_traine
 never downloaded). The reference is the unmodified Trainer on one process (SDPA on TRL's
 padding-free rows; transformers' DataCollatorWithFlattening for the plain Trainer); the CP
 runs are spawned gloo worlds of 2 ranks (cp 2: Qwen3 and Llama SFT, per-document placement,
-plain Trainer with cp_rope's PackingCollator, checkpoint + resume, ranks that disagree) and
+plain Trainer with cp_rope's PackingCollator, gradient accumulation and checkpointing,
+bf16 autocast, evaluate(), checkpoint + resume, the example script, ranks that disagree) and
 of 4 ranks (dp 2 x cp 2, against one process with twice the gradient accumulation). Five
 optimizer steps with clipping (max_grad_norm=1) and a moving learning rate: the logged
 losses and gradient norms and the final weights agree to 1e-5 relative.
@@ -158,6 +159,15 @@ def test_prepare_bad_input(dirs, tmp_path):
     other = transformers.Trainer(model=gpt2, args=args, train_dataset=ds,
                                  data_collator=transformers.DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="model: model_type 'gpt2' is not supported"):
+        H.prepare(other, cp_size=1)
+    # a mixture-of-experts model whose router loss prepare's loss would leave out
+    moe = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, num_experts=4, num_experts_per_tok=2,
+        vocab_size=97, output_router_logits=True, router_aux_loss_coef=0.01))
+    other = transformers.Trainer(model=moe, args=args, train_dataset=ds,
+                                 data_collator=transformers.DataCollatorWithFlattening())
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
         H.prepare(other, cp_size=1)
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")

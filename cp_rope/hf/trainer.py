@@ -176,6 +176,16 @@ def _check_parallelism(trainer) -> None:
                          "device per process")
 
 
+def _check_router_loss(config) -> None:
+    coef = getattr(config, "router_aux_loss_coef", 0.0) or 0.0
+    if getattr(config, "output_router_logits", False) and coef:
+        raise ValueError(f"model: a mixture-of-experts model with its router load-balancing "
+                         f"loss on (output_router_logits, router_aux_loss_coef={coef}): "
+                         "prepare's loss is the token cross-entropy alone; set "
+                         "router_aux_loss_coef=0 (SFTConfig) or output_router_logits=False, or "
+                         "train it with cp_rope.launch.finetune_hf --router-aux-loss")
+
+
 def _check_data(trainer, cp_size: int) -> None:
     args = trainer.args
     if trainer.train_dataset is None:
@@ -290,7 +300,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     Raises (every rank, before anything changes), each naming the argument:
         TypeError: ``trainer`` not a ``transformers.Trainer``; a non-int ``cp_size``.
         ValueError: ``cp_size`` not dividing the world; a model family cp_rope does not
-            support; accelerate's ``parallelism_config`` with ``cp_size`` / ``sp_size`` /
+            support; a mixture-of-experts model with its router loss on; accelerate's ``parallelism_config`` with ``cp_size`` / ``sp_size`` /
             ``tp_size`` set, DeepSpeed, DataParallel; ``model_init``; an iterable dataset;
             ``train_sampling_strategy`` other than random / sequential or a
             ``_get_train_sampler`` override returning another sampler; accelerate's
@@ -317,6 +327,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             raise ValueError("model_init: train() would build a new, unpatched model; pass the "
                              "model itself")
         _family(trainer.model)  # an unsupported family is named here, before any collective
+        _check_router_loss(trainer.model.config)
         check_bool("fused_loss", fused_loss)
         placement = check_choice("placement", placement, PLACEMENTS)
         _check_parallelism(trainer)
