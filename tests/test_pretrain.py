@@ -502,3 +502,39 @@ def test_sigterm_while_stuck_in_a_collective(tmp_path):
                 p.communicate()
     assert procs[0].returncode != 0 and waited < 20, (procs[0].returncode, waited, out)
     assert re.search(r"SIGTERM.*did not finish within 2", out), out
+
+
+# ------------------------------------------------------------------ issue 35, class 5
+def test_resume_without_a_checkpoint_is_refused_unless_a_fresh_start_is_allowed(tmp_path):
+    """Before: --resume on an empty --out-dir started a fresh run silently (a typo in the
+    path restarted a long job from step 0)."""
+    out = ["--out-dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError, match=r"--resume: .*checkpoints holds no checkpoint to "
+                       r"resume; pass --allow-fresh-start"):
+        main(TINY + ["--steps", "1", "--resume"] + out)
+    first = main(TINY + ["--steps", "1", "--resume", "--allow-fresh-start"] + out)
+    assert first["start_step"] == 0 and sorted(first["losses"]) == [1]
+    again = main(TINY + ["--steps", "2", "--resume", "--allow-fresh-start"] + out)
+    assert again["start_step"] == 1  # with a checkpoint there, the flag changes nothing
+
+
+def test_stop_at_step_saves_under_no_save_final(tmp_path):
+    """The README's promise: --stop-at-step ends with a checkpoint to resume from (before:
+    none under --no-save-final, and the resume restarted)."""
+    out = ["--out-dir", str(tmp_path)]
+    stopped = main(TINY + ["--steps", "3", "--stop-at-step", "1", "--no-save-final"] + out)
+    assert sorted(stopped["losses"]) == [1]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]
+    resumed = main(TINY + ["--steps", "3", "--resume", "--no-save-final"] + out)
+    assert resumed["start_step"] == 1 and sorted(resumed["losses"]) == [2, 3]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]  # the end: not saved
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_corpus_of_empty_documents_is_refused(tmp_path, tokenizer):
+    """Before: trained with nan bits/byte (no text)."""
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(12)))
+    with pytest.raises(ConfigError, match=rf"data\.data='{corpus}': all 12 documents are empty"):
+        main(TINY + ["--steps", "1", "--data", str(corpus), "--tokenizer", tokenizer,
+                     "--out-dir", str(tmp_path / "run")])
