@@ -205,10 +205,11 @@ def test_bad_input():
         alone = torch.cat([dyn(input_ids=d[None]).logits[0] for d in _docs()])
     assert_close(_real_rows(want[0], batch.cu_seqlens, _docs()), alone, dtype=torch.float32,
                  name="dynamic rope, the model's own rotary embedding")
-    # a model that would need sliding-window attention
+    # a layer whose window its plan was not built for (patched, then the config changed)
     _, mistral = _models("mistral", sliding_window=8)
     H.patch_model(mistral)
-    with pytest.raises(ValueError, match="sliding_window=8"):
+    mistral.config.sliding_window = 5
+    with pytest.raises(ValueError, match=r"window=5: the plan was built for windows \[8\]"):
         mistral(**inputs)
     # unpatch restores the attention implementation
     H.unpatch_model(model)

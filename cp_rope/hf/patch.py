@@ -28,6 +28,7 @@ from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTraine
 from ._forward import check_forward
 from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
 from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
+from .window import layer_windows
 
 __all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
            "CPRopePatch", "ATTN_IMPLEMENTATION"]
@@ -58,6 +59,7 @@ class CPRopePatch:
     _handles: list = field(default_factory=list)
     _modules: list = field(default_factory=list)
     _attn_before: str | None = None
+    layers: tuple = ((None,), False)  # (windows, sinks) of the layers: cp_rope.hf.window
     # rope_kernel=False with a length-dependent rope type (dynamic, longrope): the longest
     # global sequence for which the model's own rotary embedding is still the default one
     _static_rope_len: int | None = None
@@ -134,7 +136,7 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     Raises: RuntimeError on a model :func:`patch_model` did not patch;
     ValueError without ``cu_seq_lens_q``, with a batch dim other than 1, a 4-D
-    attention mask, dropout, or documents longer than a sliding window.
+    attention mask, or dropout (``sliding_window``, the layer's W, picks ``plan.for_window``).
     """
     patch = getattr(module, "cp_rope_patch", None)
     if patch is None:
@@ -153,21 +155,17 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise ValueError(f"dropout={dropout}: CP attention has no attention dropout; set "
                          "config.attention_dropout = 0")
-    if sliding_window is not None and int(max_len) * patch.cp_size > sliding_window:
-        raise ValueError(f"sliding_window={sliding_window}: a document of up to "
-                         f"{int(max_len) * patch.cp_size} tokens needs sliding-window attention, "
-                         "which cp_rope does not implement (set config.sliding_window = None to "
-                         "attend to the whole document, or cut documents to the window)")
     plan = kwargs.get("cp_rope_plan")
     if plan is None:
         raise ValueError("cp_rope_plan missing: the patched decoder builds it once per forward; "
                          "call the model (or its base model), not its layers alone")
+    plan = plan.for_window(sliding_window)  # the layer's: transformers' sliding_window is W
     dtype = _autocast_dtype(query.device)
     if dtype is not None:  # as SDPA under autocast: q/k/v in the autocast dtype (Qwen3's q/k
         query, key, value = (x.to(dtype) for x in (query, key, value))  # norms return fp32)
     out = context_parallel_attention(
         query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), plan=plan,
-        softmax_scale=scaling)
+        softmax_scale=scaling, sinks=kwargs.get("s_aux"))  # GPT-OSS passes its sinks as s_aux
     return out.unsqueeze(0), None
 
 
@@ -302,6 +300,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     patch.shape = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                    or cfg.num_attention_heads, head_dim)
     patch.scale = float(getattr(attns[0], "scaling", head_dim ** -0.5))
+    patch.layers = layer_windows(attns, cfg)
     rope = getattr(model.config, "rope_parameters", None) or {}
     if not rope_kernel and rope.get("rope_type") in ("dynamic", "longrope"):
         patch.scaling = dict(rope)
@@ -409,7 +408,8 @@ def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
                           kv_heads=hkv, head_dim=d, dtype=dtype, device=pos.device,
                           group=patch.group, method=patch.method, backend=patch.backend,
                           ulysses_size=patch.ulysses_size, softmax_scale=patch.scale,
-                          n_tokens=n_rows, _check=check)
+                          n_tokens=n_rows, window=list(patch.layers[0]), sinks=patch.layers[1],
+                          _check=check)
     kwargs["cp_rope_plan"] = plan
     patch._current = plan
     return args, kwargs

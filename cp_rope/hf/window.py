@@ -1,0 +1,31 @@
+"""The per-layer attention arguments of sliding-window and sink models under ``cp_rope.hf``.
+
+A model's attention modules say what each layer needs; :func:`layer_windows` collects it
+once at :func:`~cp_rope.hf.patch_model`, the batch's plan is built for every window
+(``attention_plan(..., window=[...], sinks=...)``), and each layer's call picks its own
+(``plan.for_window(sliding_window)``, ``sinks=s_aux``) in
+:func:`~cp_rope.hf.patch.cp_rope_attention`. Sources, as transformers 5 passes them to an
+attention function:
+
+* the window: ``sliding_window=`` (transformers' ``W``: ``kv_idx > q_idx - W``), from the
+  module's ``sliding_window`` (Qwen2: ``config.sliding_window`` on the
+  ``"sliding_attention"`` layers of ``config.layer_types``, None on the others, so
+  ``use_sliding_window`` / ``max_window_layers`` are honoured; Gemma 2/3 likewise) or the
+  config's (Mistral: every layer);
+* the sinks: ``s_aux=`` (GPT-OSS: the module's ``sinks`` parameter ``[Hq]``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["layer_windows"]
+
+
+def layer_windows(attns, config) -> tuple[tuple[int | None, ...], bool]:
+    """``(windows, sinks)`` of the attention modules ``attns``: the distinct per-layer
+    sliding windows (None: a full-attention layer), and whether the layers carry sink
+    logits (a tensor attribute ``sinks``)."""
+    default = getattr(config, "sliding_window", None)
+    windows = tuple(dict.fromkeys(getattr(m, "sliding_window", default) for m in attns))
+    return windows, any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attns)
