@@ -53,6 +53,7 @@ from .config import (
     TrainConfig,
     preset,
 )
+from .metrics import RunDirError
 from .offload import checkpoint_flag_argv
 
 __all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
@@ -128,13 +129,14 @@ def _coerce(tp: Any, value: Any, where: str) -> Any:
     """``value`` from a file as the annotated type ``tp``; ConfigError naming ``where`` if it is not one.
 
     Numbers may be written as strings (``"1e-3"``), booleans as ``"true"``/``"off"``...,
-    ``None`` of an optional field as JSON ``null`` or ``"none"``. A boolean or ``null`` is
+    ``None`` of an optional field as JSON ``null`` or ``"none"`` (an empty string is a string,
+    as on the command line: ``data = ""`` is no path, not the default corpus). A boolean or ``null`` is
     never taken for a number or a string (``lr = true`` is an error, not 1.0), a string
     field takes only strings, and a float must be finite.
     """
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Union or origin is types.UnionType:
-        if value is None or (isinstance(value, str) and value.lower() in ("none", "null", "")):
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "null")):
             return None
         return _coerce(next(a for a in args if a is not type(None)), value, where)
     if origin is Literal:
@@ -235,8 +237,11 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     name = _last_value(argv, "--preset") or "tiny"
     cfg = preset(name) if name in PRESETS else preset("tiny")  # an unknown name: tyro reports it
     path = _last_value(argv, "--config")
+    file_every = None
     if path is not None and path != "None":
-        cfg = apply_mapping(cfg, load_config_file(path), path)
+        mapping = load_config_file(path)
+        cfg = apply_mapping(cfg, mapping, path)
+        file_every = (mapping.get("train") or {}).get("eval_every")
     default = _CommandLine(preset=name if name in PRESETS else "tiny", config=path,
                            **{s: getattr(cfg, s) for s in SECTIONS})
     text = "Flags override the --config file, which overrides the --preset."
@@ -246,14 +251,16 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                    config=(tyro.conf.OmitArgPrefixes,),
                    console_outputs=os.environ.get("RANK", "0") == "0")
     cfg = PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
-    check_eval_flags(argv, cfg.data.eval_docs)
+    check_eval_flags(argv, cfg.data.eval_docs, file_every=file_every)
     return cfg
 
 
-def check_eval_flags(argv: list[str], eval_docs: int | None) -> None:
+def check_eval_flags(argv: list[str], eval_docs: int | None, *, file_every=None) -> None:
     """ConfigError when ``argv`` gives ``--eval-every`` (the flag itself, not a preset's
-    default) while ``eval_docs`` is 0: no held-out documents, so it would be ignored."""
+    default), or the config file gives ``train.eval_every`` (``file_every``), while
+    ``eval_docs`` is 0: no held-out documents, so it would be ignored."""
     every = _last_value(argv, "--eval-every")
+    every = file_every if every is None and file_every not in (None, "none", "null") else every
     if every not in (None, "None") and eval_docs == 0:
         raise ConfigError(f"train.eval_every (--eval-every)={every}: there is nothing to evaluate "
                           "with --eval-docs 0 (no held-out documents); drop one of the two flags")
@@ -262,13 +269,13 @@ def check_eval_flags(argv: list[str], eval_docs: int | None) -> None:
 def run_cli(entry: Callable[[], dict]) -> dict:
     """Run an entry point (``pretrain.main``, ``finetune_hf.main``) as a command.
 
-    A :class:`ConfigError` or :class:`CheckpointError` (every rank raises the same
+    A :class:`ConfigError`, :class:`CheckpointError` or :class:`RunDirError` (every rank raises the same
     one) is printed once, by rank 0, as ``error: ...``, then exit status 2; an
     interrupted run exits with status 130. Returns: ``entry``'s summary otherwise.
     """
     try:
         summary = entry()
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, RunDirError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -176,11 +176,13 @@ class TrainConfig:
     checkpoint_every: int = 0
     """Save a checkpoint every N steps (0 = only at the end)."""
     save_final: bool = True
-    """Save a checkpoint after the last step."""
+    """Save a checkpoint after the last step (a --stop-at-step stop always saves one: its resume needs it)."""
     keep_checkpoints: int = 2
     """Keep the newest N checkpoints, delete older ones (0 = keep all)."""
     resume: bool = False
-    """Resume from the newest checkpoint in out_dir/checkpoints (start fresh if there is none); metrics.jsonl lines after the resumed step are dropped, then appended to."""
+    """Resume from the newest checkpoint in out_dir/checkpoints (none there: an error, unless --allow-fresh-start); metrics.jsonl lines after the resumed step are dropped, then appended to."""
+    allow_fresh_start: bool = False
+    """With --resume: start a fresh run when out_dir holds no checkpoint yet (the first submission of a job that is always submitted with --resume, e.g. launch/slurm_pretrain.sh)."""
     overwrite: bool = False
     """Without --resume: delete the checkpoints and metrics.jsonl an earlier run left in out_dir (without this flag such an out_dir is an error)."""
     save_on_signal: bool = True
@@ -379,7 +381,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(o.eps > 0, "optim.eps", o.eps, "must be > 0")
     _require(o.grad_clip >= 0, "optim.grad_clip", o.grad_clip, "must be >= 0 (0 = off)")
     _require(t.steps >= 1, "train.steps", t.steps, "must be >= 1")
-    _require(t.seed >= 0, "train.seed", t.seed, "must be >= 0 (NumPy seeds are unsigned)")
+    _require(0 <= t.seed < 2**63, "train.seed", t.seed, "must be in [0, 2**63) (NumPy seeds are "
+             "unsigned, torch's 64-bit)")
     _require(t.stop_grace_s >= 0, "train.stop_grace_s", t.stop_grace_s, "must be >= 0 (0 = off)")
     _require(t.stop_at_step is None or t.stop_at_step >= 1, "train.stop_at_step", t.stop_at_step,
              "must be >= 1")
@@ -391,6 +394,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              t.eval_every, "must be >= 1 step (unset: after the last step only; --eval-docs 0: "
              "no evaluation)")
     _require(t.checkpoint_every >= 0, "train.checkpoint_every", t.checkpoint_every, "must be >= 0")
+    _require(t.resume or not t.allow_fresh_start, "train.allow_fresh_start", True, "is for --resume")
     _require(t.keep_checkpoints >= 0, "train.keep_checkpoints", t.keep_checkpoints, "must be >= 0")
     _require(t.peak_tflops >= 0, "train.peak_tflops", t.peak_tflops, "must be >= 0")
     import torch

@@ -339,6 +339,9 @@ def load_corpus(cfg: DataConfig, vocab_size: int = 0) -> Corpus:
         lengths.append(ids.size + 2)
     if not parts:
         raise ConfigError(f"data.data={cfg.data!r}: no documents")
+    if max(lengths) == 2:  # BOS + EOS only: nothing to learn, bits per byte 0 / 0
+        raise ConfigError(f"data.data={cfg.data!r}: all {len(parts)} documents are empty (no "
+                          "text to train on)")
     offsets = np.zeros(len(parts) + 1, np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return Corpus(tokens=np.concatenate(parts), offsets=offsets, vocab_size=tok.vocab_size,

@@ -425,13 +425,13 @@ def train_loop(tr: Trainer) -> None:
 
 
 def summarize(tr: Trainer) -> dict:
-    """After the loop: the final (or on-signal) checkpoint, the "done:" line, the log closed.
+    """After the loop: the final (on-signal, --stop-at-step) checkpoint, the "done:" line, the log closed.
 
     Returns (on every rank) ``{"losses": {step: loss}, "first_loss", "last_loss",
     "tokens_per_s", "steps_run", "start_step", "interrupted"}`` for this invocation.
     """
-    cfg, step, start, losses = tr.cfg, tr.step, tr.start_step, tr.losses
-    if (tr.interrupted and cfg.train.save_on_signal) or (not tr.interrupted and cfg.train.save_final):
+    cfg, step, start, losses, t = tr.cfg, tr.step, tr.start_step, tr.losses, tr.cfg.train
+    if (tr.interrupted and t.save_on_signal) or (not tr.interrupted and (t.save_final or step < t.steps)):
         if step > start or tr.interrupted:
             path = save_checkpoint(tr.ckpt_root, step, tr.model, tr.optimizer, tr.scheduler,
                                    tr.batches.state_dict(), cfg.train.keep_checkpoints,

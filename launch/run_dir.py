@@ -113,6 +113,11 @@ def prepare_out_dir(cfg: PretrainConfig, rank: int,
                     saved = _saved_config(path := os.path.join(out, "config.json"))
                     check_resume_config(saved, cfg)
                     _check_contents(saved, contents or {}, path)
+                elif not cfg.train.allow_fresh_start:
+                    raise ConfigError(
+                        f"--resume: {ckpt_root} holds no checkpoint to resume; pass "
+                        "--allow-fresh-start to start a fresh run there (the first submission "
+                        "of a job always submitted with --resume), or drop --resume")
             else:
                 found = [name for name, there in (("checkpoints", has_checkpoints(ckpt_root)),
                                                   ("metrics.jsonl", os.path.isfile(metrics))) if there]

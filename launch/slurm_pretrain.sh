@@ -2,12 +2,13 @@
 # Multi-node pretraining under SLURM: one torchrun per node, c10d rendezvous on the first node.
 #
 #   sbatch --nodes 2 launch/slurm_pretrain.sh --preset 8b --cp-size 8 --seq-mode concat \
-#       --seq-len 131072 --tokens-per-batch 131072 --out-dir /shared/runs/8b --resume
+#       --seq-len 131072 --tokens-per-batch 131072 --out-dir /shared/runs/8b --resume --allow-fresh-start
 #
 # Arguments go to cp_rope.launch.pretrain. --out-dir must be on a filesystem every node sees
 # (checkpoints are written by all ranks). With --resume, resubmitting the same job continues
-# from the newest complete checkpoint; SLURM's --signal below sends SIGTERM 120 s before the
-# time limit, and the trainer saves a checkpoint when it gets it (--save-on-signal, default on).
+# from the newest complete checkpoint (--allow-fresh-start: the first submission, with no
+# checkpoint yet, starts the run; without it --resume needs a checkpoint); SLURM's --signal
+# below sends SIGTERM 120 s before the time limit, and the trainer saves a checkpoint when it gets it (--save-on-signal, default on).
 #
 #SBATCH --job-name=cp-rope-pretrain
 #SBATCH --nodes=2

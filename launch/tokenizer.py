@@ -160,6 +160,9 @@ def _bpe_files(cfg: PretrainConfig, notes: list[str]) -> None:
              for t in _read_texts(d)]
     if not texts:
         raise ConfigError(f"data.data={d.data!r}: no documents")
+    if not any(texts):
+        raise ConfigError(f"data.data={d.data!r}: all {len(texts)} documents are empty (no "
+                          "text to train on)")
     held = set(held_out_ids(len(texts), eval_doc_count(d.eval_docs, len(texts))).tolist())
     train = [t for i, t in enumerate(texts) if i not in held]
     key = _sha(train, "bpe", d.bpe_vocab_size, seed, BPE_SAMPLE_BYTES)

@@ -109,15 +109,31 @@ def _require_op(name: str):
 
 # ----------------------------------------------------------------- torch flash (varlen)
 
-def torch_flash_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def _torch_flash_window(op, window) -> dict:
+    """``window_size_left`` / ``window_size_right`` of aten's flash ops (flash-attn's
+    ``window_size``, -1 unbounded) for a windowed block; {} without one. The keywords are in
+    the op's schema since torch 2.5 (2.11 and 2.13 have them); an op without them raises."""
+    if window is None:
+        return {}
+    names = {a.name for a in op.default._schema.arguments}
+    if "window_size_left" not in names:
+        raise RuntimeError(f"torch {torch.__version__}: aten.{op.default._schema.name} has no "
+                           "window_size_left; windowed attention needs torch >= 2.5 or "
+                           "backend='reference' / 'flash_attn'")
+    return {"window_size_left": int(window[0]), "window_size_right": int(window[1])}
+
+
+def torch_flash_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     """Returns (out [Tq, Hq, D] q.dtype, lse [Hq, Tq] float32, rng_state, unused).
 
     Rows with no visible key get out 0 and lse +inf (flash-attn's convention);
-    rows at or beyond ``cu_q[-1]`` are left unwritten. Callers fix both.
+    rows at or beyond ``cu_q[-1]`` are left unwritten. Callers fix both. ``window``:
+    flash-attn's ``(left, right)`` (bottom-right aligned) or None.
     """
     op = _require_op("_flash_attention_forward")
     out, lse, rng_state, unused, _ = op(
-        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale)
+        q, k, v, cu_q, cu_k, max_q, max_k, 0.0, causal, False, scale=scale,
+        **_torch_flash_window(op, window))
     if lse.shape != (q.shape[1], q.shape[0]):
         raise RuntimeError(
             f"torch {torch.__version__}: aten._flash_attention_forward returned an LSE of shape "
@@ -127,11 +143,11 @@ def torch_flash_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
 
 
 def torch_flash_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-                           rng_state, unused):
+                           rng_state, unused, window=None):
     """Returns (dq, dk, dv) in the input dtype; GQA dk/dv have k's head count."""
     op = _require_op("_flash_attention_backward")
     return op(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, causal, rng_state, unused,
-              scale=scale)
+              scale=scale, **_torch_flash_window(op, window))
 
 
 # ----------------------------------------------------------------- cuDNN (dense)
@@ -307,31 +323,34 @@ def flash_attn_available() -> bool:
     return _flash_attn_interface() is not None
 
 
-def _window_kwargs(split_window: bool) -> dict:
+def _window_kwargs(split_window: bool, window=None) -> dict:
+    left, right = (-1, -1) if window is None else (int(window[0]), int(window[1]))
     if split_window:
-        return {"window_size_left": -1, "window_size_right": -1}
-    return {"window_size": (-1, -1)}
+        return {"window_size_left": left, "window_size_right": right}
+    return {"window_size": (left, right)}
 
 
-def flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
-    """Returns (out, lse [Hq, Tq] float32, rng_state); same conventions as torch flash."""
+def flash_attn_varlen_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
+    """Returns (out, lse [Hq, Tq] float32, rng_state); same conventions as torch flash
+    (``window``: its ``window_size``, or None)."""
     fai, split_window = _flash_attn_interface()
     res = fai._flash_attn_varlen_forward(
         q, k, v, cu_q, cu_k, max_q, max_k, dropout_p=0.0, softmax_scale=scale, causal=causal,
-        softcap=0.0, alibi_slopes=None, return_softmax=False, **_window_kwargs(split_window))
+        softcap=0.0, alibi_slopes=None, return_softmax=False,
+        **_window_kwargs(split_window, window))
     # 2.7+: (out, lse, S_dmask, rng_state); 2.6: (out, q, k, v, out_padded, lse, S_dmask, rng_state)
     out, lse, rng_state = (res[0], res[1], res[3]) if len(res) == 4 else (res[0], res[5], res[7])
     return out, lse, rng_state
 
 
 def flash_attn_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
-                          rng_state):
+                          rng_state, window=None):
     fai, split_window = _flash_attn_interface()
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     fai._flash_attn_varlen_backward(
         dout, q, k, v, out, lse, dq, dk, dv, cu_q, cu_k, max_q, max_k, dropout_p=0.0,
         softmax_scale=scale, causal=causal, softcap=0.0, alibi_slopes=None,
-        deterministic=False, rng_state=rng_state, **_window_kwargs(split_window))
+        deterministic=False, rng_state=rng_state, **_window_kwargs(split_window, window))
     return dq, dk, dv
 
 

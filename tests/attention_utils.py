@@ -94,18 +94,20 @@ def _check_bounds(cu_q, cu_k, max_q, max_k):
     assert int(lq.max()) <= max_q and int(lk.max()) <= max_k, (lq.tolist(), max_q, lk.tolist(), max_k)
 
 
-def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale):
+def fake_flash_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=None):
     _check_bounds(cu_q, cu_k, max_q, max_k)
-    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal), scale)
+    blk = Block(cu_q, cu_k, max_q, max_k, causal, window=window)  # window: flash's window_size
+    [(_, out, lse)], _ = _Reference().forward(q, k, v, blk, scale)
     lse = lse.masked_fill(lse == float("-inf"), float("inf"))
     out[int(cu_q[-1]):], lse[:, int(cu_q[-1]):] = float("nan"), float("nan")
     return out.to(q.dtype), lse, "rng", "unused"  # like the kernels: out in q's dtype
 
 
-def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused):
+def fake_flash_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale, rng, unused,
+                   window=None):
     assert (rng, unused) == ("rng", "unused")
     _check_bounds(cu_q, cu_k, max_q, max_k)
-    blk = Block(cu_q, cu_k, max_q, max_k, causal)
+    blk = Block(cu_q, cu_k, max_q, max_k, causal, window=window)
     [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
     dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

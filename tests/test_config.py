@@ -121,3 +121,37 @@ def test_finetune_eval_every_without_held_out_documents():
     from cp_rope.launch.finetune_hf import parse_args
     with pytest.raises(ConfigError, match=r"train\.eval_every \(--eval-every\)=1: .*--eval-docs 0"):
         parse_args(["--model", "m", "--eval-every", "1", "--eval-docs", "0"])
+
+
+# ------------------------------------------------------------------ issue 35, class 5
+@pytest.mark.parametrize("seed", [2**63, 2**64, 2**80])
+def test_seed_too_large_for_a_64_bit_generator(tmp_path, seed):
+    """Before: 2**64 passed the check and overflowed raw in torch.manual_seed."""
+    with pytest.raises(ConfigError, match=rf"train\.seed={seed}: must be in \[0, 2\*\*63\)"):
+        main(SMALL + ["--steps", "1", "--seed", str(seed), "--out-dir", str(tmp_path)])
+
+
+@pytest.mark.parametrize("mapping,match", [
+    # an empty string from a file was None: the default corpus trained instead of an error
+    ({"data": {"data": ""}}, r"data\.data='': no such file or directory"),
+    # the file's eval_every with no held-out documents was ignored (the flag was refused)
+    ({"data": {"eval_docs": 0}, "train": {"eval_every": 5}},
+     r"train\.eval_every \(--eval-every\)=5: there is nothing to evaluate with --eval-docs 0"),
+])
+def test_config_file_values_get_the_command_lines_checks(tmp_path, mapping, match):
+    f = _config_file(tmp_path, mapping)
+    with pytest.raises(ConfigError, match=match):
+        main(["--config", f, "--steps", "1", "--out-dir", str(tmp_path / "o")])
+
+
+def test_config_file_eval_every_with_held_out_documents_from_the_command_line(tmp_path):
+    """The valid counterpart: the file's eval_every with --eval-docs given on the command line."""
+    from cp_rope.launch.cli import parse_args
+    f = _config_file(tmp_path, {"data": {"eval_docs": 0}, "train": {"eval_every": 5}})
+    cfg = parse_args(["--config", f, "--eval-docs", "3"])
+    assert (cfg.train.eval_every, cfg.data.eval_docs) == (5, 3)
+
+
+def test_allow_fresh_start_is_for_resume(tmp_path):
+    with pytest.raises(ConfigError, match=r"train\.allow_fresh_start=True: is for --resume"):
+        main(SMALL + ["--steps", "1", "--allow-fresh-start", "--out-dir", str(tmp_path)])

@@ -502,3 +502,70 @@ def test_sigterm_while_stuck_in_a_collective(tmp_path):
                 p.communicate()
     assert procs[0].returncode != 0 and waited < 20, (procs[0].returncode, waited, out)
     assert re.search(r"SIGTERM.*did not finish within 2", out), out
+
+
+# ------------------------------------------------------------------ issue 35, class 5
+def test_resume_without_a_checkpoint_is_refused_unless_a_fresh_start_is_allowed(tmp_path):
+    """Before: --resume on an empty --out-dir started a fresh run silently (a typo in the
+    path restarted a long job from step 0)."""
+    out = ["--out-dir", str(tmp_path / "run")]
+    with pytest.raises(ConfigError, match=r"--resume: .*checkpoints holds no checkpoint to "
+                       r"resume; pass --allow-fresh-start"):
+        main(TINY + ["--steps", "1", "--resume"] + out)
+    first = main(TINY + ["--steps", "1", "--resume", "--allow-fresh-start"] + out)
+    assert first["start_step"] == 0 and sorted(first["losses"]) == [1]
+    again = main(TINY + ["--steps", "2", "--resume", "--allow-fresh-start"] + out)
+    assert again["start_step"] == 1  # with a checkpoint there, the flag changes nothing
+
+
+def test_stop_at_step_saves_under_no_save_final(tmp_path):
+    """The README's promise: --stop-at-step ends with a checkpoint to resume from (before:
+    none under --no-save-final, and the resume restarted)."""
+    out = ["--out-dir", str(tmp_path)]
+    stopped = main(TINY + ["--steps", "3", "--stop-at-step", "1", "--no-save-final"] + out)
+    assert sorted(stopped["losses"]) == [1]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]
+    resumed = main(TINY + ["--steps", "3", "--resume", "--no-save-final"] + out)
+    assert resumed["start_step"] == 1 and sorted(resumed["losses"]) == [2, 3]
+    assert os.listdir(tmp_path / "checkpoints") == ["step_00000001"]  # the end: not saved
+
+
+@pytest.mark.parametrize("tokenizer", ["bytes", "bpe"])
+def test_a_corpus_of_empty_documents_is_refused(tmp_path, tokenizer):
+    """Before: trained with nan bits/byte (no text)."""
+    corpus = tmp_path / "empty.jsonl"
+    corpus.write_text("".join(json.dumps({"text": ""}) + "\n" for _ in range(12)))
+    with pytest.raises(ConfigError, match=rf"data\.data='{corpus}': all 12 documents are empty"):
+        main(TINY + ["--steps", "1", "--data", str(corpus), "--tokenizer", tokenizer,
+                     "--out-dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("fault", ["deleted", "unwritable"])
+def test_a_run_directory_that_fails_mid_run_ends_with_one_error_line(tmp_path, monkeypatch,
+                                                                      capsys, fault):
+    """Before: a deleted --out-dir ended with rc 0 (metrics written to an unlinked file), a
+    metrics.jsonl that could not be appended killed rank 0 with a traceback (its peers then
+    waited for the process-group timeout)."""
+    import shutil
+
+    from cp_rope.launch.cli import run_cli
+    from cp_rope.launch.metrics import MetricsLogger
+    out = tmp_path / "run"
+    real = MetricsLogger.log
+
+    def log(self, step, metrics):
+        if step == 2 and fault == "deleted":
+            shutil.rmtree(out)
+        elif step == 2:
+            self._file.close()
+            self._file = open(out / "metrics.jsonl")  # read-only: the write fails
+        return real(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: main(TINY + ["--steps", "3", "--out-dir", str(out)]))
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    why = "was deleted while the run ran" if fault == "deleted" else "cannot be appended"
+    assert len(errors) == 1 and re.match(rf"error: step 2: {out}/metrics\.jsonl {why}", errors[0]), errors

@@ -22,12 +22,14 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
+from attention_utils import fake_flash_bwd, fake_flash_fwd
 from dist_utils import run_distributed
 from utils import assert_close
 from window_utils import window_attention, window_mask
 
 from cp_rope.parallel import attention_plan, context_parallel_attention, cp_shard_indices
-from cp_rope.parallel._blocks import Block, _Reference
+from cp_rope.parallel._blocks import Block, _Reference, _Varlen
+from cp_rope.parallel._dispatch import run_plan
 from cp_rope.parallel._schedule import Layout
 from cp_rope.parallel._window import check_window, offdiag_pieces, pair_pieces
 from cp_rope.parallel.placement import place_documents
@@ -206,7 +208,9 @@ def _heads(C: int) -> tuple[int, int]:
     return (6, 3) if C == 3 else (4, 2)
 
 
-def _one_case(rank, C, group, placement, method, u, W, with_sinks, seed, pad=2):
+def _one_case(rank, C, group, placement, method, u, W, with_sinks, seed, pad=2, be=None):
+    """One parity case; ``be``: a backend object run through the plan directly (the fake
+    flash kernels: the GPU varlen glue, window_size plumbing and flash's conventions)."""
     hq, hkv = _heads(C)
     D = 3
     lens = _case_docs(C, placement)
@@ -245,8 +249,14 @@ def _one_case(rank, C, group, placement, method, u, W, with_sinks, seed, pad=2):
     plan = attention_plan(source, q_heads=hq, kv_heads=hkv, head_dim=D, dtype=torch.float64,
                           device="cpu", group=group, method=method, ulysses_size=u,
                           backend="reference", window=[W, None], sinks=with_sinks, **kw)
-    out, lse = context_parallel_attention(*ins[:3], plan=plan, sinks=ins[3] if with_sinks
-                                          else None, return_lse=True)
+    if be is None:
+        out, lse = context_parallel_attention(*ins[:3], plan=plan, sinks=ins[3] if with_sinks
+                                              else None, return_lse=True)
+    else:
+        if placement != "zigzag":
+            plan = plan.split
+        out, lse = run_plan(*ins[:3], plan.for_window(W), be, D ** -0.5,
+                            ins[3] if with_sinks else None)
     grads = torch.autograd.grad((out * local(do)).sum(), ins)
     what = f"cp{C} {placement} {method} W={W} sinks={with_sinks}"
     assert_close(out[:n], rout[idx], name=f"out {what}", **EXACT)
@@ -325,6 +335,11 @@ def _parity_body(rank, world_size):
                 for with_sinks in (False, True):
                     seed += 1
                     _one_case(rank, C, group, placement, method, u, W, with_sinks, seed)
+    flash = _Varlen("torch_flash", fake_flash_fwd, fake_flash_bwd)
+    for method, u in _methods(C):
+        for W in (2, _CHUNK + 1):
+            seed += 1
+            _one_case(rank, C, group, "zigzag", method, u, W, True, seed, pad=0, be=flash)
     _halo_bytes(rank, C, group)
     _disagreement(rank, C, group)
 
