@@ -53,6 +53,7 @@ from .config import (
     TrainConfig,
     preset,
 )
+from .metrics import RunDirError
 from .offload import checkpoint_flag_argv
 
 __all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
@@ -268,13 +269,13 @@ def check_eval_flags(argv: list[str], eval_docs: int | None, *, file_every=None)
 def run_cli(entry: Callable[[], dict]) -> dict:
     """Run an entry point (``pretrain.main``, ``finetune_hf.main``) as a command.
 
-    A :class:`ConfigError` or :class:`CheckpointError` (every rank raises the same
+    A :class:`ConfigError`, :class:`CheckpointError` or :class:`RunDirError` (every rank raises the same
     one) is printed once, by rank 0, as ``error: ...``, then exit status 2; an
     interrupted run exits with status 130. Returns: ``entry``'s summary otherwise.
     """
     try:
         summary = entry()
-    except (ConfigError, CheckpointError) as exc:
+    except (ConfigError, CheckpointError, RunDirError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from .config import ConfigError, ModelConfig
 
 __all__ = ["MetricsLogger", "Throughput", "flops_per_step", "peak_tflops", "peak_memory_gib",
-           "bits_per_byte", "cp_rank_work", "StepStats", "log_step"]
+           "bits_per_byte", "cp_rank_work", "StepStats", "log_step", "RunDirError"]
 
 # Dense bf16 tensor-core peak of one GPU, TFLOP/s (vendor datasheets, SXM parts).
 _PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.4, "H100": 989.4, "H800": 989.4, "A100": 312.0,
@@ -226,6 +226,11 @@ class StepStats:
         return "".join(parts)
 
 
+class RunDirError(RuntimeError):
+    """The run directory failed under a running run (metrics.jsonl not appendable, the
+    directory deleted); raised on every rank, printed as one ``error:`` line."""
+
+
 def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
     """One metrics.jsonl line and one console line for the trainer ``tr``
     (:class:`cp_rope.launch.pretrain.Trainer`); all ranks call it: the throughput and the
@@ -246,7 +251,12 @@ def log_step(tr, loss: float, lr: float, grad_norm: float) -> None:
         tr.throughput.exclude(time.perf_counter() - t0)
         if tr.stats is not None and "eval_bpb" in metrics:
             tr.stats.held_out[tr.step] = metrics["eval_bpb"]
-    tr.log.log(tr.step, metrics)
+    failed = [tr.log.log(tr.step, metrics)]  # rank 0 writes; every rank hears why it failed
+    if world > 1:
+        dist.broadcast_object_list(failed, src=0, group=tr.loss_group)
+    if failed[0] is not None:
+        raise RunDirError(f"step {tr.step}: {failed[0]}; stopping (checkpoints already written "
+                          "are kept)")
     k = tr.stats.bpb[tr.step][1] if "bpb" in metrics else 0
     bpb = f" | {metrics['bpb']:.3f} bits/byte ({k} step{'s' * (k > 1)})" if k else ""
     held = (f" | held-out loss {metrics['eval_loss']:.4f}"
@@ -307,7 +317,7 @@ class MetricsLogger:
 
     def __init__(self, out_dir: str, *, enabled: bool, resume_step: int | None, tensorboard: bool,
                  total_steps: int, start_step: int, progress: bool):
-        self.enabled = enabled
+        self.enabled, self._dir = enabled, out_dir
         self._file = self._tb = self._bar = None
         if not enabled:
             return
@@ -343,11 +353,20 @@ class MetricsLogger:
             self._bar.set_postfix(loss=f"{loss:.4f}", refresh=False)
             self._bar.update(1)
 
-    def log(self, step: int, metrics: dict) -> None:
+    def log(self, step: int, metrics: dict) -> str | None:
+        """Append one line (rank 0). Returns None, or why it could not: the file cannot be
+        appended (full disk, size limit, ...) or was deleted with the run directory."""
         if not self.enabled:
-            return
-        self._file.write(json.dumps({"step": step, **metrics}) + "\n")
-        self._file.flush()
+            return None
+        path = os.path.join(self._dir, "metrics.jsonl")
+        try:
+            if os.fstat(self._file.fileno()).st_nlink == 0 or not os.path.isdir(self._dir):
+                return (f"{path} was deleted while the run ran (--out-dir {self._dir!r} "
+                        "removed or replaced?)")
+            self._file.write(json.dumps({"step": step, **metrics}) + "\n")
+            self._file.flush()
+        except OSError as exc:
+            return f"{path} cannot be appended ({exc.strerror or exc})"
         if self._tb is not None:
             for k, v in metrics.items():
                 if isinstance(v, (int, float)):
@@ -356,5 +375,8 @@ class MetricsLogger:
     def close(self) -> None:
         for obj in (self._bar, self._tb, self._file):
             if obj is not None:
-                obj.close()
+                try:
+                    obj.close()
+                except OSError:  # what log() could not write, flushed again: it said why
+                    pass
         self._file = self._tb = self._bar = None

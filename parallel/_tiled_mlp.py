@@ -161,7 +161,9 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_
 
     Raises: TypeError/ValueError naming ``tile_tokens`` when it is not an int >= 1,
     ``fn`` (not callable; an output without one row per input row), ``x``, ``dim`` (not a
-    dimension of ``x``) or ``params`` (not tensors; a tensor listed twice).
+    dimension of ``x``) or ``params`` (not tensors; a tensor listed twice; a trainable
+    parameter of ``fn``'s module, when ``fn`` is an ``nn.Module`` or its bound method,
+    left out: it would get no gradient).
     """
     tile = check_tile_tokens(tile_tokens)
     if not callable(fn):
@@ -180,6 +182,14 @@ def tiled_mlp(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, tile_
     if twice:  # autograd would return its gradient once per listing: counted twice
         raise ValueError(f"params: the tensor at index {twice[0]} is listed twice (shape "
                          f"{tuple(params[twice[0]].shape)}); list each parameter once")
+    owner = fn if isinstance(fn, torch.nn.Module) else getattr(fn, "__self__", None)
+    if isinstance(owner, torch.nn.Module):  # a parameter left out would get no gradient
+        left_out = [n for n, p in owner.named_parameters()
+                    if p.requires_grad and not any(p is q for q in params)]
+        if left_out:
+            raise ValueError(f"params: fn's module parameter {left_out[0]!r} is not listed "
+                             f"({len(left_out)} left out); it would get no gradient: pass "
+                             "list(module.parameters())")
     if x.shape[dim] <= tile:
         return fn(x)
     if not torch.is_grad_enabled() or not (x.requires_grad or any(p.requires_grad for p in params)):

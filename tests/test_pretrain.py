@@ -538,3 +538,34 @@ def test_a_corpus_of_empty_documents_is_refused(tmp_path, tokenizer):
     with pytest.raises(ConfigError, match=rf"data\.data='{corpus}': all 12 documents are empty"):
         main(TINY + ["--steps", "1", "--data", str(corpus), "--tokenizer", tokenizer,
                      "--out-dir", str(tmp_path / "run")])
+
+
+@pytest.mark.parametrize("fault", ["deleted", "unwritable"])
+def test_a_run_directory_that_fails_mid_run_ends_with_one_error_line(tmp_path, monkeypatch,
+                                                                      capsys, fault):
+    """Before: a deleted --out-dir ended with rc 0 (metrics written to an unlinked file), a
+    metrics.jsonl that could not be appended killed rank 0 with a traceback (its peers then
+    waited for the process-group timeout)."""
+    import shutil
+
+    from cp_rope.launch.cli import run_cli
+    from cp_rope.launch.metrics import MetricsLogger
+    out = tmp_path / "run"
+    real = MetricsLogger.log
+
+    def log(self, step, metrics):
+        if step == 2 and fault == "deleted":
+            shutil.rmtree(out)
+        elif step == 2:
+            self._file.close()
+            self._file = open(out / "metrics.jsonl")  # read-only: the write fails
+        return real(self, step, metrics)
+
+    monkeypatch.setattr(MetricsLogger, "log", log)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_:
+        run_cli(lambda: main(TINY + ["--steps", "3", "--out-dir", str(out)]))
+    assert exit_.value.code == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    why = "was deleted while the run ran" if fault == "deleted" else "cannot be appended"
+    assert len(errors) == 1 and re.match(rf"error: step 2: {out}/metrics\.jsonl {why}", errors[0]), errors

@@ -91,3 +91,17 @@ def test_a_parameter_listed_twice_is_refused():
     with pytest.raises(ValueError, match=r"params: the tensor at index 2 is listed twice "
                                          r"\(shape \(20, 12\)\)"):
         tiled_mlp(fn, x, TILE, [*params, params[0]])
+
+
+def test_a_module_parameter_left_out_of_params_is_refused():
+    """Before: the left-out bias silently got no gradient (found by the round-4 fresh pass)."""
+    mlp = torch.nn.Sequential(torch.nn.Linear(12, 20), torch.nn.SiLU(), torch.nn.Linear(20, 12))
+    x = torch.randn(13, 12, requires_grad=True)
+    for fn in (mlp, mlp.forward):
+        with pytest.raises(ValueError, match=r"params: fn's module parameter '0\.bias' is not "
+                                             r"listed \(3 left out\); it would get no gradient"):
+            tiled_mlp(fn, x, TILE, [mlp[0].weight])
+    mlp[0].bias.requires_grad_(False)  # a frozen parameter needs no listing
+    y = tiled_mlp(mlp, x, TILE, [mlp[0].weight, mlp[2].weight, mlp[2].bias])
+    y.sum().backward()
+    assert mlp[2].bias.grad is not None and mlp[0].bias.grad is None
