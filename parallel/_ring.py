@@ -46,7 +46,7 @@ class RingExchange:
 
     def wait(self) -> tuple[torch.Tensor, ...]:
         if self._pending is None:
-            raise RuntimeError("RingExchange.wait called without start()")
+            raise RuntimeError(f"{type(self).__name__}.wait called without start()")
         for w in self._works:
             w.wait()
         recv = self._pending[1]
@@ -106,14 +106,7 @@ class PeerExchange:
         self._works = dist.batch_isend_irecv(ops) if ops else []
         self._pending = (sends, recvs)
 
-    def wait(self) -> tuple:
-        if self._pending is None:
-            raise RuntimeError("PeerExchange.wait called without start()")
-        for w in self._works:
-            w.wait()
-        recvs = self._pending[1]
-        self._works, self._pending = [], None
-        return recvs
+    wait = RingExchange.wait  # the same pending works and receive buffers
 
 
 def ring_exchange(group: dist.ProcessGroup | None) -> RingExchange | Loopback:

@@ -4,7 +4,8 @@ Mistral (``sliding_window`` on every layer) and Qwen2 (``use_sliding_window`` wi
 ``max_window_layers``: windowed and full layers mixed, from ``config.layer_types``), patched
 at cp 1 in float64 on the reference backend, against the unpatched model run on each
 document alone with transformers' SDPA attention in float64 (its eager path takes the
-softmax in float32): per-document logits within 1e-10.
+softmax in float32): per-document logits within 1e-10; Qwen2 also at cp 2 over gloo
+(ring, all-gather, Ulysses).
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ import importlib
 
 import pytest
 import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
 from utils import assert_close
 
-from cp_rope.parallel import PackingCollator
+from cp_rope.parallel import PackingCollator, unshard
 
 transformers = pytest.importorskip("transformers")
 H = importlib.import_module("cp_rope.hf")
@@ -63,3 +66,32 @@ def test_sliding_window_patched_equals_unpatched_per_document(name, over):
     with torch.no_grad():
         nowin = torch.cat([full(input_ids=d[None]).logits[0] for d in docs])
     assert (nowin - want).abs().max() > 1e-3
+
+
+def _cp2_body(rank, world):
+    group = dist.group.WORLD
+    name, over = "Qwen2Config", {"use_sliding_window": True, "sliding_window": 5,
+                                 "max_window_layers": 1}
+    torch.manual_seed(0)
+    ref = transformers.AutoModelForCausalLM.from_config(_config(name, **over)).double().eval()
+    g = torch.Generator().manual_seed(1)
+    docs = [torch.randint(0, V, (n,), generator=g) for n in (23, 3, 17, 8)]
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    examples = [{"input_ids": d} for d in docs]
+    glob = PackingCollator(cp_size=world)(examples).cu_seqlens.tolist()
+    for method in ("ring", "allgather", "ulysses"):
+        model = transformers.AutoModelForCausalLM.from_config(_config(name, **over)).double()
+        model.load_state_dict(ref.state_dict())
+        H.patch_model(model.eval(), group=group, method=method, backend="reference",
+                      rope_kernel=False)
+        batch = PackingCollator(cp_size=world, cp_rank=rank)(examples)
+        with torch.no_grad():
+            logits = unshard(model(**H.model_inputs(batch)).logits[0], batch.cu_seqlens, group)
+        got = torch.cat([logits[glob[i]:glob[i] + len(d)] for i, d in enumerate(docs)])
+        assert_close(got, want, name=f"cp{world} {method} logits")
+
+
+def test_sliding_window_cp2_equals_unpatched():
+    """Qwen2 with windowed and full layers at cp 2 (ring, all-gather, Ulysses)."""
+    run_distributed(_cp2_body, 2, timeout_s=300)
