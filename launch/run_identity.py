@@ -149,23 +149,31 @@ def describe_differences(views: list[dict[str, object]]) -> list[str]:
     return lines
 
 
+_AGREE_GROUPS: dict[tuple[int, float], dist.ProcessGroup] = {}
+
+
+def _agree_group(timeout_s: float) -> dist.ProcessGroup:
+    """One gloo group per (default group, timeout), made at the first agreement of the process
+    and kept: a group made and destroyed per run desynchronised the store keys of later groups
+    on torch 2.7 (a run after another in one process hung in the next gather on one rank)."""
+    key = (id(dist.distributed_c10d._get_default_group()), timeout_s)
+    if key not in _AGREE_GROUPS:
+        _AGREE_GROUPS[key] = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    return _AGREE_GROUPS[key]
+
+
 def _gather(obj: object, timeout_s: float) -> list:
-    """all_gather_object over a fresh gloo group with a ``timeout_s`` timeout (the default
+    """all_gather_object over a gloo group with a ``timeout_s`` timeout (the default
     group's may be 600 s, and a NCCL one cannot carry Python objects without a device)."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     hint = (f"a peer did not reach the run-identity check within {timeout_s:g} s (it failed "
             "before it -- see its own error -- or runs another version of cp_rope)")
     try:
-        group = dist.new_group(backend="gloo", timeout=timeout)
-    except RuntimeError as exc:
-        raise RunIdentityError(f"rank {dist.get_rank()}: {hint}: {exc}") from None
-    try:
+        group = _agree_group(timeout_s)
         views: list = [None] * dist.get_world_size()
         dist.all_gather_object(views, obj, group=group)
-    except RuntimeError as exc:
+    except RuntimeError as exc:  # a timed-out group is not used again
+        _AGREE_GROUPS.pop((id(dist.distributed_c10d._get_default_group()), timeout_s), None)
         raise RunIdentityError(f"rank {dist.get_rank()}: {hint}: {exc}") from None
-    finally:
-        dist.destroy_process_group(group)
     return views
 
 
