@@ -28,6 +28,10 @@ from cp_rope.parallel._blocks import _Reference, get_backend
 pytestmark = pytest.mark.gpu
 
 BF16 = {"atol": 2e-2, "rtol": 2e-2}  # bf16 inputs, kernels' bf16 outputs vs fp32 math
+# Gradients: the kernels round P and dS to bf16 (unit roundoff 2^-8) before the backward's
+# matmuls, so dq / dk / dv carry that error summed over the block's keys / queries: the same
+# bf16 gradient tolerance as tests/test_attention_gpu.py's cuDNN checks.
+BF16_GRAD = {"atol": 3.5e-2, "rtol": 3.5e-2}
 
 
 def _backends():
@@ -61,7 +65,7 @@ def test_windowed_blocks_match_reference(backend, C, W):
             for name, g, rg in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
                 rows = slice(0, int(blk.cu_q_host[-1])) if name == "dq" else slice(
                     0, int(blk.cu_k_host[-1]))
-                assert_close(g[rows].float(), rg[rows], name=f"{name} {what}", **BF16)
+                assert_close(g[rows].float(), rg[rows], name=f"{name} {what}", **BF16_GRAD)
 
 
 @pytest.mark.parametrize("W", [1, 3, 16, 1000])
