@@ -31,6 +31,7 @@ from cp_rope.parallel._blocks import _Reference, backend_unavailable, get_backen
 pytestmark = pytest.mark.gpu
 
 BF16 = {"atol": 2e-2, "rtol": 2e-2}  # bf16 inputs, kernels' bf16 outputs vs fp32 math
+BF16_GRAD = {"atol": 3.5e-2, "rtol": 3.5e-2}  # as tests/test_window_gpu.py: bf16 P and dS
 
 
 @pytest.fixture(autouse=True)
@@ -75,7 +76,7 @@ def test_fa4_windowed_blocks_match_reference(C, W):
             [(_, rdq, _, rdk, rdv)] = ref.backward(do, q, k, v, o16, rlse, blk, 0.125, None)
             for name, g, rg in (("dq", dq, rdq), ("dk", dk, rdk), ("dv", dv, rdv)):
                 n = n_valid if name == "dq" else int(blk.cu_k_host[-1])
-                assert_close(g[:n].float(), rg[:n], name=f"{name} {what}", **BF16)
+                assert_close(g[:n].float(), rg[:n], name=f"{name} {what}", **BF16_GRAD)
 
 
 @pytest.mark.parametrize("backend", ["fa4", "auto"])
@@ -128,5 +129,6 @@ def test_ring_cp2_window_simulated_fa4_equals_reference(method):
             for nm, x, y in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), res["fa4"],
                                 res["reference"], strict=True):
                 tol = {"atol": 1e-3, "rtol": 1e-3} if nm == "lse" else (
-                    {"atol": 5e-2, "rtol": 5e-2} if nm == "dsinks" else BF16)
+                    {"atol": 5e-2, "rtol": 5e-2} if nm == "dsinks" else
+                    BF16 if nm == "out" else BF16_GRAD)
                 assert_close(x.float(), y.float(), name=f"{method} W={W} r{r} {nm}", **tol)
