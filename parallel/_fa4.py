@@ -52,9 +52,10 @@ backward's single-tile specialisation never changes with the batch."""
 
 def fa4_window(window) -> tuple[int | None, int | None]:
     """A block's ``window`` (flash-attn's ``(left, right)``, -1 unbounded; None: no window)
-    as FA4's ``(window_size_left, window_size_right)``: None unbounded. FA4 must not see -1:
-    its ``_resolve_causal_local_window`` drops a window whose ``left + right < 0``, so the
-    halo pieces' ``(0, -1)`` (key ``j >= i + lk - lq``) would run as full attention. With
+    as FA4's ``(window_size_left, window_size_right)``: None unbounded. FA4 must not see -1
+    (``_resolve_causal_local_window``: 4.0.0b36 keeps a right bound of -1, which masks the
+    diagonal too; later versions drop a window whose ``left + right < 0``, full attention),
+    so the halo pieces' ``(0, -1)`` (key ``j >= i + lk - lq``) goes as ``(0, None)``. With
     ``causal=True`` FA4 sets the right bound to 0 itself; ``(W - 1, 0)`` is its causal local
     window (query ``i`` sees keys ``i - W + 1 .. i``, bottom-right aligned like flash-attn:
     ``flash_attn/cute/mask.py``), the window of cp_rope's convention."""

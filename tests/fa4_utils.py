@@ -10,10 +10,11 @@ the glue can be checked exactly), NaN in every row FA4 need not write: rows past
 zeros for a key tile without query tiles). The math is the float64 reference backend.
 
 Windows as FA4 reads them (:func:`fa4_mask`, from ``_resolve_causal_local_window`` of
-``flash_attn/cute/interface.py``): ``window_size_left`` / ``_right`` None is unbounded, a
-window whose ``left + right < 0`` is dropped (so a -1 passed where None was meant runs the
-wrong mask, and the parity tests see it; the fakes also refuse it outright), ``causal``
-forces the right bound to 0; bottom-right aligned. ``learnable_sink`` must be None: cp_rope
+``flash_attn/cute/interface.py``): ``window_size_left`` / ``_right`` None is unbounded,
+``causal`` forces the right bound to 0, ``(None, 0)`` is plain causal, anything else a local
+window; bottom-right aligned. A negative bound is not "unbounded" to FA4 (4.0.0b36 keeps a
+right bound of -1, which excludes the diagonal; later versions drop a window whose ``left +
+right < 0``): the fakes refuse one. ``learnable_sink`` must be None: cp_rope
 applies sinks once per row after the merge (FA4's would count once per block).
 """
 
@@ -56,8 +57,6 @@ def fa4_mask(causal: bool, window) -> tuple[bool, tuple[int, int] | None]:
     left, right = window
     if causal:
         right = 0
-    if left is not None and right is not None and left + right < 0:
-        left = right = None
     if left is None and right is None:
         return causal, None
     if left is None and right == 0:

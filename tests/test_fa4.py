@@ -348,8 +348,8 @@ def test_trainer_refuses_fa4_on_cpu():
 def test_fa4_window_convention():
     """cp_rope's window W (query p sees keys p - W + 1 .. p) is FA4's causal
     ``window_size=(W - 1, 0)``; the halo pieces' flash-attn ``(0, -1)`` goes to FA4 as
-    ``(0, None)``: FA4 drops a window with left + right < 0, so (0, -1) would be full
-    attention there (fa4_mask, FA4's resolution, shows it)."""
+    ``(0, None)`` (FA4 reads a -1 right bound as a bound: 4.0.0b36 keeps it, excluding the
+    diagonal; later versions drop a window with left + right < 0)."""
     from fa4_utils import fa4_mask
     from window_utils import window_mask
 
@@ -359,7 +359,9 @@ def test_fa4_window_convention():
     assert fa4_window(None) == (None, None)
     assert fa4_window((6, 0)) == (6, 0) and fa4_window((0, -1)) == (0, None)
     assert fa4_mask(False, (0, None)) == (False, (0, -1))
-    assert fa4_mask(False, (0, -1)) == (False, None)  # what -1 would mean to FA4: no window
+    with pytest.raises(AssertionError, match="negative bound"):  # the fakes refuse -1
+        fake_fa4_fwd(*(torch.zeros(2, 1, 8, dtype=torch.float64),) * 3, _cu([2]), _cu([2]),
+                     MIN_BUCKET, MIN_BUCKET, False, 1.0, window=(0, -1))
     n = 9
     for W in (1, 2, 5, 9, 20):
         causal, win = fa4_mask(True, fa4_window((W - 1, 0)))
