@@ -64,6 +64,12 @@ class HFCausalLM(nn.Module):
         return self.lm.base_model.layers
 
     @property
+    def attention_layers(self) -> tuple:
+        """``(windows, sinks)`` of the patched attention layers (the CP self-test runs them)."""
+        patch = getattr(self.lm, "cp_rope_patch", None)
+        return ((None,), False) if patch is None else patch.layers
+
+    @property
     def tok_embeddings(self) -> nn.Module:  # what launch.model.count_params excludes
         return self.lm.get_input_embeddings()
 

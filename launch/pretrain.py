@@ -296,7 +296,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
-    cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write)  # own RNG
+    cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
+                layers=getattr(model, "attention_layers", ((None,), False)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
