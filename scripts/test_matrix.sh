@@ -32,6 +32,7 @@ esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 [ "$ENTRIES" = "none" ] && { echo "matrix: skipped (CP_ROPE_MATRIX=none)"; exit 0; }
 mkdir -p "$DIR"
+RUN_TMP=$(mktemp -d)  # this run's junit files (the venvs' folder is shared by checkouts)
 
 SLICE=(
   tests/test_torch_versions.py
@@ -66,6 +67,10 @@ for entry in $ENTRIES; do
   echo "torch==$version" > "$cons"
   echo "matrix[$name]: torch $version in $venv"
   t0=$(date +%s)
+  # one run at a time per venv (checkouts share it; its editable install names one of them):
+  # held through the install and the tests
+  exec 9>"$venv.lock"
+  flock 9
   ok=1
   have=$("$py" -c "import torch; print(torch.__version__.split('+')[0])" 2>/dev/null || true)
   if [ "$have" != "$version" ]; then
@@ -73,7 +78,10 @@ for entry in $ENTRIES; do
     "${PYTHON:-python3}" -m venv "$venv" \
       && PIP_CONSTRAINT="$cons" "$py" -m pip install -q "torch==$version" || ok=0
   fi
-  where=$("$py" -c "import cp_rope, os; print(os.path.dirname(os.path.dirname(cp_rope.__file__)))" 2>/dev/null || true)
+  # where the venv's cp_rope.launch comes from, asked outside the checkout: from inside it, the
+  # checkout's cp_rope/ is found through the working directory whatever the venv holds (a venv
+  # whose editable install points at another checkout then ran a mix of both, or no launch)
+  where=$(cd / && "$py" -c "import cp_rope.launch as m, os; print(os.path.dirname(os.path.dirname(m.__file__)))" 2>/dev/null || true)
   if [ $ok = 1 ] && [ "$where" != "$REPO" ]; then
     PIP_CONSTRAINT="$cons" "$py" -m pip install -q -e ".[test,hf]" || ok=0
   fi
@@ -82,14 +90,15 @@ for entry in $ENTRIES; do
     echo "matrix[$name]: FAILED to install torch $version" >&2
     table+=("$(printf '%-12s %-28s %8s %8s  %s' "$name" "$version" "$((t1 - t0))" "-" "FAILED to install")")
     failed=1
+    exec 9>&-
     continue
   fi
   info=$("$py" -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__)" 2>/dev/null || echo "$version")
-  xml="$DIR/junit-$name.xml"
-  rm -f "$xml"
+  xml="$RUN_TMP/junit-$name.xml"
   CP_ROPE_OTHER_PYTHON="$MAIN_PY" "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" \
     "${SLICE[@]}" -k "$DESELECT"
   rc=$?
+  exec 9>&-
   t2=$(date +%s)
   [ -f "$xml" ] && xmls+=("$xml")
   case $rc in
@@ -104,11 +113,13 @@ done
 # the main venv resumes a checkpoint written by torch 2.11
 if [ -n "$other_for_main" ] && [ -x "$MAIN_PY" ]; then
   t1=$(date +%s)
-  xml="$DIR/junit-main-resumes-2.11.xml"
-  rm -f "$xml"
+  xml="$RUN_TMP/junit-main-resumes-2.11.xml"
+  exec 9>"$(dirname "$(dirname "$other_for_main")").lock"
+  flock 9
   CP_ROPE_OTHER_PYTHON="$other_for_main" "$MAIN_PY" -m pytest -q -p no:cacheprovider \
     --junitxml="$xml" tests/test_torch_versions.py -k another_torch
   rc=$?
+  exec 9>&-
   t2=$(date +%s)
   [ -f "$xml" ] && xmls+=("$xml")
   [ $rc = 0 ] && verdict="ok" || { verdict="FAILED (pytest exit $rc)"; failed=1; }

@@ -22,10 +22,10 @@ import atexit
 import datetime
 import gc
 import os
+import pickle
 import tempfile
 import traceback
 from multiprocessing.connection import wait
-from multiprocessing.reduction import ForkingPickler
 
 import torch
 import torch.distributed as dist
@@ -96,7 +96,7 @@ def _serve(rank: int, world_size: int, conn) -> None:
         torch.set_default_dtype(dtype)
         torch.set_num_threads(1)
         try:
-            init_file, timeout_s, fn, args = ForkingPickler.loads(payload)
+            init_file, timeout_s, fn, args = pickle.loads(payload)
             _init(rank, world_size, init_file, timeout_s)
             finished.append(dist.distributed_c10d._get_default_group())
             fn(rank, world_size, *args)
@@ -123,7 +123,8 @@ class _World:
 
     def run(self, fn, args, timeout_s: float) -> None:
         with tempfile.TemporaryDirectory() as tmp:
-            payload = ForkingPickler.dumps((os.path.join(tmp, "rendezvous"), timeout_s, fn, args))
+            # plain pickle: tensors travel by value (a copy per rank; one payload for all ranks)
+            payload = pickle.dumps((os.path.join(tmp, "rendezvous"), timeout_s, fn, args))
             for conn in self.conns:
                 conn.send_bytes(payload)
             pending, errors = set(range(len(self.conns))), {}
