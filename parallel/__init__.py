@@ -40,6 +40,7 @@ _EXPORTS = {
     "attention_plan": "attention",
     "context_parallel_attention": "attention",
     "CPAttentionPlan": "plan",
+    "check_plan": "plan_checks",
     # the one list of each choice
     "METHODS": "choices",
     "BACKENDS": "choices",

@@ -63,7 +63,7 @@ from ._calibration import active_calibration
 from ._cudnn_thd import CudnnTHD as _CudnnTHD
 from ._fa4 import CudnnFa4 as _CudnnFa4
 from ._fa4 import Fa4 as _Fa4
-from .choices import BACKENDS, WINDOW_BACKENDS
+from .choices import BACKENDS, WINDOW_BACKENDS, WINDOW_FALLBACK
 
 __all__ = ["Block", "merge_partials", "merge_weights", "get_backend", "backend_unavailable",
            "BACKENDS"]
@@ -415,6 +415,21 @@ def _window_refusal(backend: str, windowed: bool) -> str | None:
     return None
 
 
+def _cudnn_window_fallback(q: torch.Tensor, n_seqs: int) -> str:
+    """What ``backend="cudnn"`` runs a windowed plan on: the first of
+    :data:`~cp_rope.parallel.choices.WINDOW_FALLBACK` that runs these inputs (cp_rope's
+    cuDNN THD calls take no window: docs/parallel.md "Windows and sinks"). Raises ValueError
+    naming ``backend='cudnn'`` and why each fallback cannot run."""
+    whys = []
+    for name in WINDOW_FALLBACK:
+        why = _unsupported(name, q, n_seqs)
+        if why is None:
+            return name
+        whys.append(f"{name} {why}")
+    raise ValueError("backend='cudnn' runs sliding-window blocks (window=) on the first of "
+                     f"{WINDOW_FALLBACK} that runs these inputs; none does: {'; '.join(whys)}")
+
+
 def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
     """Why ``backend`` cannot run these inputs (None: it can)."""
     return backend_unavailable(backend, device=q.device, dtype=q.dtype, head_dim=q.shape[-1],
@@ -424,7 +439,10 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
 def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False):
     """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs
     (``windowed``: for a plan with a sliding window, whose blocks only the backends of
-    :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those).
+    :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those
+    that runs the inputs: fa4 on an H200 with FA4 installed; ``cudnn`` falls back to the first
+    of :data:`~cp_rope.parallel.choices.WINDOW_FALLBACK` that runs them: fa4, flash_attn,
+    torch_flash; ``torch_cudnn`` refuses).
 
     ``auto``'s rule, by measured speed on an H200 (``docs/benchmarks.md``):
 
@@ -454,6 +472,8 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fal
             if crossover is not None:
                 return _CudnnFa4(crossover)
         backend = runs[0]
+    if backend == "cudnn" and windowed:
+        backend = _cudnn_window_fallback(q, n_seqs)
     why = _window_refusal(backend, windowed) or _unsupported(backend, q, n_seqs)
     if why is not None:
         raise ValueError(f"backend={backend!r} {why}")

@@ -2,7 +2,10 @@
 and cuDNN.
 
 ``fa4`` (:class:`Fa4`): one FA4 varlen call per block
-(:func:`~cp_rope.parallel._compat.fa4_varlen_fwd` / ``_bwd``). FA4 keeps no padded state (its
+(:func:`~cp_rope.parallel._compat.fa4_varlen_fwd` / ``_bwd``), windowed blocks with FA4's
+``window_size_left`` / ``_right`` (:func:`fa4_window`; sinks enter after the merge, as on
+every backend, so FA4's ``learnable_sink`` is not used: a per-block sink would be counted
+once per block). FA4 keeps no padded state (its
 LSE is ``[Hq, T]``, its grid ``(T + n_seg x tile) / tile x Hq`` tiles), so unlike cuDNN a block
 of very unequal documents needs no splitting. Its backward takes any output/LSE pair: the
 merged ones of a ring. Rows of a segment without keys are set to (0, -inf); keys of a segment
@@ -39,12 +42,26 @@ import torch
 from . import _compat
 from ._cudnn_thd import CudnnTHD, seq_bound
 
-__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "MIN_BUCKET"]
+__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "fa4_window", "MIN_BUCKET"]
 
 NEG_INF = float("-inf")
 MIN_BUCKET = 256
 """Smallest max_seqlen passed to FA4: above its largest tile (128 rows on SM90), so the
 backward's single-tile specialisation never changes with the batch."""
+
+
+def fa4_window(window) -> tuple[int | None, int | None]:
+    """A block's ``window`` (flash-attn's ``(left, right)``, -1 unbounded; None: no window)
+    as FA4's ``(window_size_left, window_size_right)``: None unbounded. FA4 must not see -1
+    (``_resolve_causal_local_window``: 4.0.0b36 keeps a right bound of -1, which masks the
+    diagonal too; later versions drop a window whose ``left + right < 0``, full attention),
+    so the halo pieces' ``(0, -1)`` (key ``j >= i + lk - lq``) goes as ``(0, None)``. With
+    ``causal=True`` FA4 sets the right bound to 0 itself; ``(W - 1, 0)`` is its causal local
+    window (query ``i`` sees keys ``i - W + 1 .. i``, bottom-right aligned like flash-attn:
+    ``flash_attn/cute/mask.py``), the window of cp_rope's convention."""
+    if window is None:
+        return None, None
+    return tuple(None if int(w) < 0 else int(w) for w in window)
 
 
 def bucket(n: int) -> int:
@@ -69,7 +86,8 @@ class Fa4:
         if blk.max_q == 0 or blk.max_k == 0:
             return [], None
         out, lse = _compat.fa4_varlen_fwd(q, k, v, blk.cu_q, blk.cu_k, bucket(blk.max_q),
-                                          bucket(blk.max_k), blk.causal, scale)
+                                          bucket(blk.max_k), blk.causal, scale,
+                                          window=fa4_window(blk.window))
         if blk.keyless_rows is not None:
             out.index_fill_(0, blk.keyless_rows, 0.0)
             lse.index_fill_(1, blk.keyless_rows, NEG_INF)
@@ -80,7 +98,7 @@ class Fa4:
             return []
         dq, dk, dv = _compat.fa4_varlen_bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k,
                                             bucket(blk.max_q), bucket(blk.max_k), blk.causal,
-                                            scale)
+                                            scale, window=fa4_window(blk.window))
         if blk.keyless_rows is not None:
             dq.index_fill_(0, blk.keyless_rows, 0.0)
         return [(0, dq, 0, dk, dv)]

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 from typing import Literal
 
-__all__ = ["METHODS", "A2A_METHODS", "BACKENDS", "BACKEND_CHOICES", "WINDOW_BACKENDS", "PLACEMENTS", "AUTO",
-           "LOSS_IMPLS", "Method", "Backend", "PlacementName", "LossImpl"]
+__all__ = ["METHODS", "A2A_METHODS", "BACKENDS", "BACKEND_CHOICES", "WINDOW_BACKENDS",
+           "WINDOW_FALLBACK", "PLACEMENTS", "AUTO", "LOSS_IMPLS", "Method", "Backend",
+           "PlacementName", "LossImpl"]
 
 AUTO = "auto"
 """Chosen per batch by :func:`cp_rope.parallel._choose.choose_strategy` (method / placement)."""
@@ -25,10 +26,15 @@ BACKENDS = ("cudnn", "fa4", "flash_attn", "torch_cudnn", "torch_flash", "referen
 
 BACKEND_CHOICES = (AUTO, *BACKENDS)
 
-WINDOW_BACKENDS = ("flash_attn", "torch_flash", "reference")
+WINDOW_BACKENDS = ("fa4", "flash_attn", "torch_flash", "reference")
 """Block backends that run sliding-window blocks (``window=`` of
 :func:`cp_rope.parallel.attention_plan`), in the order ``"auto"`` tries them for a windowed
-plan; the others refuse one (sinks need nothing of a backend: they enter after the merge)."""
+plan (sinks need nothing of a backend: they enter after the merge). ``cudnn`` runs a windowed
+plan's blocks on the first of :data:`WINDOW_FALLBACK` that runs the inputs (its THD calls
+take no window here: docs/parallel.md "Windows and sinks"); ``torch_cudnn`` refuses one."""
+
+WINDOW_FALLBACK = ("fa4", "flash_attn", "torch_flash")
+"""What ``backend="cudnn"`` runs a windowed plan on, the first that runs the inputs."""
 
 PLACEMENTS = ("zigzag", "per_document")
 """Where documents go (:mod:`cp_rope.parallel.placement`)."""

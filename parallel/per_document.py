@@ -198,6 +198,11 @@ class PerDocumentPlan(FrozenPlan):
             whole=self.whole.for_window(w)) for w in windows})
         return self
 
+    @property
+    def device(self) -> torch.device:
+        """Where the plan's q/k/v and index tensors live."""
+        return self.whole.device
+
     def for_window(self, window) -> PerDocumentPlan:
         """The plan of the same batch for ``window`` (one of :attr:`windows`; None: no
         window). Raises ValueError naming ``window`` for another."""

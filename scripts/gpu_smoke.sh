@@ -23,11 +23,12 @@
 #                   document by document, bf16
 #   gpu_tests       the GPU-marked tests: the cuDNN / flash / torch CP attention backends, the
 #                   RoPE kernel (formula and plan positions), the fused loss and tiled MLP in
-#                   bf16 against their references
+#                   bf16 against their references, a train step planned without a device sync
 #   fa4 part (when flash-attn-4 is importable: docs/parallel.md "FlashAttention-4"):
 #   pretrain_1b_fa4 pretrain_1b with --attn-backend fa4 (4 steps vs 2 + --resume)
 #   gpu_fa4         tests/test_fa4_gpu.py: fa4 and auto's cuDNN + FA4 split against float32, a
 #                   cp 2 ring simulated on one GPU, no host sync, no recompilation across batches
+#                   and tests/test_window_fa4_gpu.py: fa4's windowed blocks and sinks vs float32
 # "Equal" means bit for bit when the GPU kernels are deterministic; the table says "exact" or
 # the largest relative difference, and a part fails above RTOL (default 1e-3: atomics in some
 # backward kernels make repeated GPU runs differ in the last bits).
@@ -159,7 +160,7 @@ chain pretrain_1b_mem cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4
   t=$(date +%s)
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_gpu.py tests/test_window_gpu.py \
     tests/test_rope_gpu.py tests/test_rope_positions.py tests/test_loss_fused.py \
-    tests/test_loss_model.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_loss_model.py tests/test_plan_step.py > "$OUT/gpu_tests.log" 2>&1
   record gpu_tests $? "$(tail -1 "$OUT/gpu_tests.log")" "$t"
 ) &
 FA4_PARTS=""
@@ -170,8 +171,8 @@ if "$PY" -c "from cp_rope.parallel._compat import fa4_unavailable as u; raise Sy
     --attn-backend fa4 --no-tensorboard &
   (
     t=$(date +%s)
-    timeout 240 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fa4_gpu.py \
-      > "$OUT/gpu_fa4.log" 2>&1
+    timeout 360 "$PY" -m pytest -q -s -p no:cacheprovider -m gpu tests/test_fa4_gpu.py \
+      tests/test_window_fa4_gpu.py > "$OUT/gpu_fa4.log" 2>&1
     record gpu_fa4 $? "$(tail -1 "$OUT/gpu_fa4.log")" "$t"
   ) &
 fi

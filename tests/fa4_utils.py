@@ -8,6 +8,14 @@ the glue can be checked exactly), NaN in every row FA4 need not write: rows past
 ``cu_q[-1]`` / ``cu_k[-1]`` and the rows of segments without keys (the backend sets those to
 (0, -inf)). Keys of segments without queries get dK = dV = 0 (flash_bwd_sm90.py writes
 zeros for a key tile without query tiles). The math is the float64 reference backend.
+
+Windows as FA4 reads them (:func:`fa4_mask`, from ``_resolve_causal_local_window`` of
+``flash_attn/cute/interface.py``): ``window_size_left`` / ``_right`` None is unbounded,
+``causal`` forces the right bound to 0, ``(None, 0)`` is plain causal, anything else a local
+window; bottom-right aligned. A negative bound is not "unbounded" to FA4 (4.0.0b36 keeps a
+right bound of -1, which excludes the diagonal; later versions drop a window whose ``left +
+right < 0``): the fakes refuse one. ``learnable_sink`` must be None: cp_rope
+applies sinks once per row after the merge (FA4's would count once per block).
 """
 
 from __future__ import annotations
@@ -42,14 +50,40 @@ def _check(q, cu_q, cu_k, max_q, max_k):
         assert m >= MIN_BUCKET and m % 64 == 0 and (m // 64) & (m // 64 - 1) == 0, m
 
 
+def fa4_mask(causal: bool, window) -> tuple[bool, tuple[int, int] | None]:
+    """FA4's ``(causal, window_size_left, window_size_right)`` as the reference block's
+    ``(causal, window)`` (flash-attn's ``(left, right)``, -1 unbounded): FA4's own resolution
+    (module docstring), then None -> -1."""
+    left, right = window
+    if causal:
+        right = 0
+    if left is None and right is None:
+        return causal, None
+    if left is None and right == 0:
+        return True, None
+    return False, (-1 if left is None else left, -1 if right is None else right)
+
+
+WINDOWS: list[tuple] = []
+"""The FA4 windows (left, right) of every fake call since the last clear."""
+
+
+def _block(cu_q, cu_k, max_q, max_k, causal, window):
+    assert all(w is None or (type(w) is int and w >= 0) for w in window), (
+        f"FA4 window {window}: None is unbounded; a negative bound makes FA4 drop the window")
+    causal, win = fa4_mask(causal, window)
+    WINDOWS.append(tuple(window))
+    return Block(cu_q, cu_k, max_q, max_k, causal, window=win)
+
+
 def fake_fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(None, None),
                  sink=None):
-    assert window == (None, None) and sink is None
+    assert sink is None, "sinks enter after the merge, never in a block's kernel"
     _check(q, cu_q, cu_k, max_q, max_k)
     CALLS.append(("fwd", max_q, max_k))
     q, k, v = zero_outside(q, cu_q), zero_outside(k, cu_k), zero_outside(v, cu_k)
-    [(_, out, lse)], _ = _Reference().forward(q, k, v, Block(cu_q, cu_k, max_q, max_k, causal),
-                                             scale)
+    blk = _block(cu_q, cu_k, max_q, max_k, causal, window)
+    [(_, out, lse)], _ = _Reference().forward(q, k, v, blk, scale)
     lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
@@ -61,7 +95,7 @@ def fake_fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(None,
 
 def fake_fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
                  window=(None, None), sink=None):
-    assert window == (None, None) and sink is None
+    assert sink is None, "sinks enter after the merge, never in a block's kernel"
     _check(q, cu_q, cu_k, max_q, max_k)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
     assert out.dtype == q.dtype and dout.shape == q.shape
@@ -69,7 +103,7 @@ def fake_fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     dout, q, out = (zero_outside(x, cu_q) for x in (dout, q, out))
     k, v = zero_outside(k, cu_k), zero_outside(v, cu_k)
     lse = zero_outside(lse.t(), cu_q).t()
-    blk = Block(cu_q, cu_k, max_q, max_k, causal)
+    blk = _block(cu_q, cu_k, max_q, max_k, causal, window)
     [(_, dq, _, dk, dv)] = _Reference().backward(dout, q, k, v, out, lse, blk, scale, None)
     dq[int(cu_q[-1]):], dk[int(cu_k[-1]):], dv[int(cu_k[-1]):] = (float("nan"),) * 3
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]

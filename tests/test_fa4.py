@@ -341,3 +341,125 @@ def test_trainer_refuses_fa4_on_cpu():
     cfg.train.device = "cpu"
     with pytest.raises(ConfigError, match=r"^parallel.attn_backend='fa4': needs CUDA"):
         validate(cfg, 1)
+
+
+# --------------------------------------------------------------------------- windows and sinks
+
+def test_fa4_window_convention():
+    """cp_rope's window W (query p sees keys p - W + 1 .. p) is FA4's causal
+    ``window_size=(W - 1, 0)``; the halo pieces' flash-attn ``(0, -1)`` goes to FA4 as
+    ``(0, None)`` (FA4 reads a -1 right bound as a bound: 4.0.0b36 keeps it, excluding the
+    diagonal; later versions drop a window with left + right < 0)."""
+    from fa4_utils import fa4_mask
+    from window_utils import window_mask
+
+    from cp_rope.parallel._blocks import Block, _Reference
+    from cp_rope.parallel._fa4 import fa4_window
+
+    assert fa4_window(None) == (None, None)
+    assert fa4_window((6, 0)) == (6, 0) and fa4_window((0, -1)) == (0, None)
+    assert fa4_mask(False, (0, None)) == (False, (0, -1))
+    with pytest.raises(AssertionError, match="negative bound"):  # the fakes refuse -1
+        fake_fa4_fwd(*(torch.zeros(2, 1, 8, dtype=torch.float64),) * 3, _cu([2]), _cu([2]),
+                     MIN_BUCKET, MIN_BUCKET, False, 1.0, window=(0, -1))
+    n = 9
+    for W in (1, 2, 5, 9, 20):
+        causal, win = fa4_mask(True, fa4_window((W - 1, 0)))
+        blk = Block(torch.tensor([0, n]), torch.tensor([0, n]), n, n, causal, window=win)
+        lo, hi = _Reference()._row_windows(blk, n, "cpu")
+        j = torch.arange(n)
+        seen = (j[None, :] >= lo[:, None]) & (j[None, :] < hi[:, None])
+        assert torch.equal(seen, window_mask(n, W)), W
+
+
+WINDOW_LENS = [0, 1, 7, 40, 0, 13, 2, 1]
+
+
+@pytest.mark.parametrize("W", [1, 2, 6, 7, 8, 100])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_windowed_cp1_fa4_matches_oracle(fakes, W, with_sinks):
+    """fa4 (fake kernels) with a window and sinks at cp 1 against the float64 oracle of
+    tests/window_utils.py: out, LSE and the gradients of q, k, v, sinks; GQA 2:1; edge
+    layouts (zero-length, one-token documents; W = 1, W longer than every document)."""
+    from window_utils import window_attention
+
+    cu = _cu(WINDOW_LENS)
+    n = int(cu[-1]) + 2
+    gen = torch.Generator().manual_seed(W + 100 * with_sinks)
+    q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                     for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64) if with_sinks else None
+    ins = [t.clone().requires_grad_() for t in (q, k, v)] + (
+        [sinks.clone().requires_grad_()] if with_sinks else [])
+    fa4_utils.WINDOWS.clear()
+    out, lse = context_parallel_attention(*ins[:3], cu, max(WINDOW_LENS), backend="fa4",
+                                          window=W, sinks=ins[3] if with_sinks else None,
+                                          return_lse=True)
+    grads = torch.autograd.grad((out * dout).sum(), ins)
+    ref = [t.clone().requires_grad_() for t in ins]
+    rout, rlse = window_attention(*ref[:3], cu.tolist(), W, ref[3] if with_sinks else None,
+                                  8 ** -0.5)
+    rgrads = torch.autograd.grad((rout * dout).sum(), ref)
+    what = f"fa4 W={W} sinks={with_sinks}"
+    assert_close(out, rout, **F64_EXACT, name=f"out {what}")
+    assert_close(lse, rlse, **F64_EXACT, name=f"lse {what}")
+    for nm, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads, strict=False):
+        assert_close(g, rg, **F64_EXACT, name=f"{nm} {what}")
+    assert fa4_utils.WINDOWS, "FA4 was never called"
+    if W < max(WINDOW_LENS):  # a window that masks reaches FA4 as its causal local window
+        assert (W - 1, 0) in fa4_utils.WINDOWS, fa4_utils.WINDOWS
+
+
+@pytest.mark.parametrize("C,method", [(2, "ring"), (2, "allgather"), (2, "ulysses"),
+                                      (4, "ring"), (4, "allgather")])
+def test_windowed_simulated_ranks_fa4_equals_reference(fakes, C, method):
+    """Each rank of cp 2 / 4 with windows below, at and above the chunk length and sinks: fa4
+    (fake kernels: the windowed ring's diagonal, unmasked and halo pieces through its
+    glue) equals the reference backend on the same plan and inputs, exactly in float64."""
+    lens = [C * 2 * 9, C * 2, 0, C * 2 * 3, C * 2 * 9 + 2 * C]  # chunks 9, 1, 3, 10
+    local = _cu([x // C for x in lens])
+    windows = []
+    for W in (2, 8, 9, 11, 30):
+        fa4_utils.WINDOWS.clear()
+        for r in range(C):
+            gen = torch.Generator().manual_seed(W * 10 + r)
+            n = int(local[-1])
+            q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                             for h in (4, 2, 2, 4))
+            sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+            res = {}
+            for b in ("fa4", "reference"):
+                ins = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+                out, lse = context_parallel_attention(
+                    *ins[:3], plan=_plan(local, C, r, method, backend=b, window=W, sinks=True),
+                    sinks=ins[3], return_lse=True)
+                res[b] = (out, lse, *torch.autograd.grad((out * dout).sum(), ins))
+            for nm, x, y in zip(("out", "lse", "dq", "dk", "dv", "dsinks"), res["fa4"],
+                                res["reference"], strict=True):
+                assert_close(x, y, **F64_EXACT, name=f"fa4 cp{C} {method} W={W} r{r} {nm}")
+        windows += fa4_utils.WINDOWS
+    assert (1, 0) in windows and (7, 0) in windows, windows  # causal local diagonals
+    if method == "ring":
+        assert (0, None) in windows, windows  # the halo pieces, right bound None
+
+
+def test_auto_and_cudnn_with_a_window(monkeypatch):
+    """A windowed plan: auto picks the first windowed backend that runs (fa4 where it runs,
+    never cudnn); backend cudnn falls back by WINDOW_FALLBACK (fa4, flash_attn,
+    torch_flash); torch_cudnn refuses by name."""
+    runs = {"cudnn", "fa4", "torch_cudnn", "torch_flash", "reference"}
+    monkeypatch.setattr(_blocks, "_unsupported",
+                        lambda b, q, n: None if b in runs else "does not run here")
+    q = torch.zeros(4, 2, 64)
+    assert isinstance(_blocks.get_backend("auto", q, 3, windowed=True), Fa4)
+    assert isinstance(_blocks.get_backend("cudnn", q, 3, windowed=True), Fa4)
+    assert isinstance(_blocks.get_backend("cudnn", q, 3), CudnnTHD)
+    runs.discard("fa4")
+    for name in ("auto", "cudnn"):
+        assert _blocks.get_backend(name, q, 3, windowed=True).name == "torch_flash"
+    with pytest.raises(ValueError, match="backend='torch_cudnn' does not run sliding-window"):
+        _blocks.get_backend("torch_cudnn", q, 1, windowed=True)
+    runs.discard("torch_flash")
+    with pytest.raises(ValueError, match="backend='cudnn' runs sliding-window.*none does"):
+        _blocks.get_backend("cudnn", q, 3, windowed=True)
+    assert _blocks.get_backend("auto", q, 3, windowed=True).name == "reference"

@@ -139,6 +139,10 @@ def test_bad_window_and_sinks_named():
     with pytest.raises(ValueError, match="sinks: the plan was built with sinks=True"):
         context_parallel_attention(q, k, v, plan=splan)
     with pytest.raises(ValueError, match="does not run sliding-window blocks"):
+        context_parallel_attention(q, k, v, cu, 8, window=3, backend="torch_cudnn")
+    # cudnn falls back to fa4 / flash_attn / torch_flash; on a CPU none runs: all named
+    with pytest.raises(ValueError, match=r"backend='cudnn' runs sliding-window.*fa4 .*"
+                                         r"flash_attn .*torch_flash "):
         context_parallel_attention(q, k, v, cu, 8, window=3, backend="cudnn")
 
 

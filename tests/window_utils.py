@@ -46,3 +46,25 @@ def window_attention(q, k, v, cu, window, sinks, scale):
     outs.append(q.new_zeros(pad, *q.shape[1:]))
     lses.append(torch.full((q.shape[1], pad), float("-inf"), dtype=q.dtype, device=q.device))
     return torch.cat(outs), torch.cat(lses, 1)
+
+
+def layout_blocks(C: int, r: int, W: int, device):
+    """``(query rows, [(block, key rows)])``: every block rank ``r`` of cp ``C`` runs in the
+    windowed ring (keys: the local K/V, then the received compact buffers) and the windowed
+    all-gather (local and gathered keys), for documents of chunks 16, 1, 0, 3, 9 rows (the
+    diagonal, unmasked and bottom-right ``(0, -1)`` halo pieces, keyless and queryless filler
+    segments included). For the GPU tests of the windowed blocks."""
+    from cp_rope.parallel._schedule import Layout
+    from cp_rope.parallel._window import window_allgather_schedule, window_ring_schedule
+
+    lens = torch.tensor([2 * C * 16, 2 * C, 0, 2 * C * 3, 2 * C * 9])
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), (lens // C).cumsum(0)])
+    lay = Layout(cu, int(lens.max()) // C, int(cu[-1]), C, r, True, None, torch.device(device),
+                 1, W)
+    blocks = []
+    for i, st in enumerate(window_ring_schedule(lay)[0]["window"]):
+        blocks += [(b, st.n_recv if i else int(cu[-1])) for b in st.blocks]
+    ag = window_allgather_schedule(lay, None)[0]
+    blocks += [(b, int(cu[-1])) for b in ag["local"]]
+    blocks += [(b, int(cu[-1]) * C) for b in ag["global"]]
+    return int(cu[-1]), blocks

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from cp_rope.cache import rope_cache
-from cp_rope.parallel import PackedBatch, attention_plan, context_parallel_attention
+from cp_rope.parallel import PackedBatch, context_parallel_attention
 from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS
 from cp_rope.parallel.plan import group_position
 from cp_rope.positions import global_positions
@@ -25,6 +25,7 @@ from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTraine
 from ._forward import check_forward
 from .families import check_family
 from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
+from .plan import build_plan, check_passed_plan, check_rope_length
 from .rope import PackedRope, check_rope, install_rope_dispatcher, packed_rope
 from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
 from .window import layer_windows
@@ -310,33 +311,26 @@ def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
 
     def check():  # rank-local: inside the plan build's agreement, so every rank raises
         _check_keys(kwargs, cu, max_len)
-        limit = patch._static_rope_len
-        if limit is not None and int(max_len) * patch.cp_size > limit:
-            raise ValueError(
-                f"max_length_q={int(max_len)}: a global sequence of up to "
-                f"{int(max_len) * patch.cp_size} tokens is past {limit}, where the model's "
-                f"length-dependent RoPE ({patch.scaling['rope_type']}) would pick its "
-                "frequencies from this rank's largest position (different on every rank, and "
-                "across documents): not the per-document result; use a static rope type "
-                "(e.g. 'ntk', 'yarn') or shorter documents")
+        check_rope_length(patch, int(max_len))
         if content_checks_enabled(pos) and content_checks_enabled(cu):
             _check_positions(patch, pos, cu, placement)
         if kwargs.get("input_ids") is not None:
             check_token_ids("input_ids", kwargs["input_ids"], embed.num_embeddings)
 
     ids, embeds = kwargs.get("input_ids"), kwargs.get("inputs_embeds")
-    weight = embed.weight  # the compute dtype (FSDP2 has cast the unsharded copy by now)
-    dtype = _autocast_dtype(pos.device) or (embeds.dtype if embeds is not None else weight.dtype)
     n_rows = (embeds if embeds is not None else ids).shape[1] if (
         embeds is not None or ids is not None) else None
-    hq, hkv, d = patch.shape
-    plan = attention_plan(cu if placement is None else placement,
-                          None if placement is not None else int(max_len), q_heads=hq,
-                          kv_heads=hkv, head_dim=d, dtype=dtype, device=pos.device,
-                          group=patch.group, method=patch.method, backend=patch.backend,
-                          ulysses_size=patch.ulysses_size, softmax_scale=patch.scale,
-                          n_tokens=n_rows, window=list(patch.layers[0]), sinks=patch.layers[1],
-                          _check=check)
+    plan = kwargs.get("cp_rope_plan")
+    if plan is not None:  # the step's plan, built from the host batch (cp_rope.hf.attention_plan)
+        check_passed_plan(patch, plan, cu, max_len, n_rows, placement)
+        check()
+    else:  # the three-line recipe: the batch's plan, built here once per forward
+        weight = embed.weight  # the compute dtype (FSDP2 has cast the unsharded copy by now)
+        dtype = _autocast_dtype(pos.device) or (embeds.dtype if embeds is not None
+                                                else weight.dtype)
+        plan = build_plan(patch, cu if placement is None else placement,
+                          None if placement is not None else int(max_len), dtype=dtype,
+                          device=pos.device, n_tokens=n_rows, _check=check)
     kwargs["cp_rope_plan"] = plan
     patch._current = plan
     return args, kwargs
@@ -387,7 +381,7 @@ def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor,
 
 
 # --------------------------------------------------------------------------- inputs
-def model_inputs(batch: PackedBatch) -> dict:
+def model_inputs(batch: PackedBatch, plan=None) -> dict:
     """Keyword arguments for ``model(**...)`` from this rank's :class:`PackedBatch`.
 
     Returns: ``input_ids`` int64 ``[1, T]``, ``position_ids`` int64 ``[1, T]``
@@ -400,18 +394,23 @@ def model_inputs(batch: PackedBatch) -> dict:
 
     A per-document shard (``batch.placement`` set) also passes ``cp_rope_placement``
     (the patch builds the per-document plan from it; its ``position_ids`` are the
-    positions in the global sequences).
+    positions in the global sequences). ``plan``: the batch's plan
+    (:func:`cp_rope.hf.attention_plan` of the host batch), passed as ``cp_rope_plan``; the
+    model then builds none (and refuses, naming ``plan``, one of another batch).
 
     Raises: TypeError if ``batch`` is not a ``PackedBatch``.
     """
     if not isinstance(batch, PackedBatch):
         raise TypeError(f"batch must be a cp_rope.parallel.PackedBatch, got {type(batch).__name__}")
     extra = {} if batch.placement is None else {"cp_rope_placement": batch.placement}
+    cu = batch.cu_seqlens
+    if plan is not None:
+        extra["cp_rope_plan"] = plan
     return {**extra,
         "input_ids": batch.input_ids.unsqueeze(0),
         "position_ids": batch.position_ids.unsqueeze(0),
-        "cu_seq_lens_q": batch.cu_seqlens,
-        "cu_seq_lens_k": batch.cu_seqlens,
+        "cu_seq_lens_q": cu,
+        "cu_seq_lens_k": cu,
         "max_length_q": int(batch.max_seqlen),
         "max_length_k": int(batch.max_seqlen),
     }
