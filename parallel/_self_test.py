@@ -306,7 +306,9 @@ def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place,
     W = qkvw[3].detach().clone().requires_grad_()
     sk = None if sinks is None else sinks.detach().clone().requires_grad_()
     qr, kr = _rope(q, k, cos, sin, **plan.rope_args())
-    out = sum(context_parallel_attention(qr, kr, v, plan=plan, window=w, sinks=sk)
+    # plan.for_window(w), not window=w: with a plan, window=None means the plan's own window
+    # (its first), not a full layer's
+    out = sum(context_parallel_attention(qr, kr, v, plan=plan.for_window(w), sinks=sk)
               for w in windows)
     logits = out.reshape(out.shape[0], -1).to(W.dtype) @ W
     loss = cp_cross_entropy(logits, local.labels.to(device), group)

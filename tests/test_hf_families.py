@@ -273,3 +273,13 @@ def test_finetune_hf_trains_resumes_and_saves(tmp_path):
     with open(tmp_path / "corpus.jsonl", "w") as f:
         f.writelines(json.dumps({"text": t}) + "\n" for t in texts)
     run_distributed(_finetune_body, 2, str(tmp_path), families, timeout_s=600)
+
+
+def test_start_up_self_test_with_mixed_windows():
+    """The trainers' start-up self-test with these families' layers (a window and full ones):
+    each layer's call takes plan.for_window(W) (window=None with a plan is the plan's window, so
+    the full layers ran windowed and the test failed every windowed family's start)."""
+    from cp_rope.parallel._self_test import self_test
+
+    for window in ([4, None], [None, 4]):
+        self_test(None, method="ring", window=window, sinks=True)
