@@ -131,8 +131,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     Args:
         group: the CP process group (None or one rank: cp_size 1). Collective over it.
         method, backend, placement, ulysses_size, split_threshold: the configured CP
-            attention (as :func:`~cp_rope.parallel.context_parallel_attention` /
-            :func:`~cp_rope.parallel.per_document_attention`; ``split_threshold`` None with
+            attention (as :func:`~cp_rope.parallel.context_parallel_attention`, also with a
+            per-document placement; ``split_threshold`` None with
             per_document: :func:`~cp_rope.parallel.default_split_threshold`).
         q_heads, kv_heads, head_dim, dtype, device: the model's attention shapes and compute
             dtype, and this rank's device.
