@@ -4,11 +4,15 @@ Read in this order (torchtitan's shape):
 
 * :mod:`cp_rope.launch.pretrain`: the entry point, ``torchrun ... -m cp_rope.launch.pretrain
   --cp-size C`` (its docstring shows single- and multi-node command lines; ``--help`` lists
-  every flag); ``set_up`` -> ``train_loop`` -> ``summarize``, and ``train_step``.
+  every flag); ``set_up`` -> ``train_loop`` -> ``summarize``, and ``train_step`` (the batch's
+  attention plan from the host batch, once, then the batch to the device, then
+  ``model(input_ids, plan, labels=...)``); :mod:`cp_rope.launch.stop_flag`: SIGTERM / SIGINT
+  between steps.
 * :mod:`cp_rope.launch.config`: typed configs with per-field docs, presets (tiny, 125m, 1b,
   8b), ``validate`` (errors name the field).
 * :mod:`cp_rope.launch.cli`: reading a config with tyro: preset < TOML/JSON file < flags.
-* :mod:`cp_rope.launch.model`: the Llama-style decoder (cp_rope RoPE, CP attention, GQA, SwiGLU).
+* :mod:`cp_rope.launch.model`: the Llama-style decoder (cp_rope RoPE, CP attention, GQA, SwiGLU);
+  ``model.attention_plan(batch)`` builds the plan it takes.
 * :mod:`cp_rope.launch.parallelize`: ``parallelize(model, mesh, cfg)``: CP wiring, activation
   checkpointing, FSDP2, in that order.
 * :mod:`cp_rope.launch.optim`: AdamW groups, the LR schedule, gradient reduction and clipping.
@@ -22,7 +26,9 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.metrics`: throughput, MFU and bits-per-byte arithmetic, rank-0 logging.
 * :mod:`cp_rope.launch.plot`: ``report.png`` of a run, ``python -m cp_rope.launch.plot RUN...``.
 * :mod:`cp_rope.launch.finetune_hf`: the same trainer on a local transformers checkpoint
-  (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``).
+  (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``);
+  :mod:`cp_rope.launch.hf_model`: its model, ``HFCausalLM`` (the same ``attention_plan`` /
+  ``forward(input_ids, plan)`` interface over a patched transformers model).
 * ``slurm_pretrain.sh``: multi-node launch under SLURM.
 """
 

@@ -21,11 +21,13 @@ __all__ = ["cp_start_up"]
 
 
 def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.device,
-                dtype: torch.dtype, log) -> None:
+                dtype: torch.dtype, log, *, layers: tuple = ((None,), False)) -> None:
     """Load ``--cp-calibration`` (for auto) and run the CP self-test on ``cp_group``.
 
-    ``log``: a callable taking one line (rank 0 prints it). Runs on every rank (collective
-    over the CP group).
+    ``log``: a callable taking one line (rank 0 prints it). ``layers``: the model's
+    ``(windows, sinks)`` (its layers' attention windows, None for full ones, and whether
+    they carry sink logits): the self-test runs a layer of each. Runs on every rank
+    (collective over the CP group).
 
     Raises: ConfigError naming ``parallel.cp_calibration`` for a file that cannot be used;
     :class:`~cp_rope.parallel.self_test.SelfTestError` (every rank) when the check fails.
@@ -60,7 +62,8 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
             res = self_test(cp_group if cp_size > 1 else None, method=method,
                             backend=p.attn_backend, placement=place, ulysses_size=u,
                             split_threshold=threshold, q_heads=m.n_heads,
-                            kv_heads=m.n_kv_heads, head_dim=head_dim, dtype=dtype, device=device)
+                            kv_heads=m.n_kv_heads, head_dim=head_dim, dtype=dtype, device=device,
+                            window=list(layers[0]), sinks=layers[1])
             worst = max(worst, max(res.errors.values()))
     log(f"cp self-test: passed in {time.perf_counter() - t0:.2f} s ("
         + ", ".join(m for m, _ in methods) + f"; {', '.join(places)}; cp {cp_size}, "

@@ -79,11 +79,9 @@ class HeldOut:
                 real = labels[labels >= 0]
                 n_bytes = int(self.token_bytes[real].sum()) if self.token_bytes is not None else 0
                 counts.append((real.size, n_bytes))
+                plan = model.attention_plan(host, device=self.device)  # from host data
                 batch = host.to(self.device, non_blocking=True)
-                shard = {} if batch.placement is None else {  # a per-document shard
-                    "placement": batch.placement, "position_ids": batch.position_ids}
-                losses.append(model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, **shard,
-                                    labels=batch.labels,
+                losses.append(model(batch.input_ids, plan, labels=batch.labels,
                                     loss_group=self.group).detach().double().reshape(()))
         finally:
             model.train(was_training)

@@ -51,29 +51,22 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 import tyro
-from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 try:
-    from cp_rope.hf import load_causal_lm, local_config, patch_model
-    from cp_rope.hf.moe import (
-        MoESpec,
-        load_balancing_loss,
-        router_loss_spec,
-        router_token_mask,
-        with_extra_gradient,
-    )
+    from cp_rope.hf import load_causal_lm, local_config
+    from cp_rope.hf.moe import MoESpec, router_loss_spec
     from cp_rope.hf.norms import LOW_PRECISION
+
+    from .hf_model import HFCausalLM
 except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
     if __name__ == "__main__":
         print(f"error: {_exc}", file=sys.stderr)
         raise SystemExit(2) from None
     raise
-from cp_rope.parallel import cp_cross_entropy, cp_linear_cross_entropy
 from cp_rope.parallel._loss_impl import liger_missing, loss_impl
 from cp_rope.parallel.choices import LossImpl
 from cp_rope.parallel.loss import auto_chunk_size
-from cp_rope.positions import global_positions
 
 from .cli import check_eval_flags, plain_text, run_cli
 from .config import (
@@ -161,127 +154,6 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
                   console_outputs=os.environ.get("RANK", "0") == "0")
     check_eval_flags(argv, fc.data.eval_docs)
     return fc
-
-
-class HFCausalLM(nn.Module):
-    """The trainer's model interface over a transformers causal LM.
-
-    ``forward(input_ids [T], cu_seqlens [B + 1] int32, max_seqlen, *, position_ids=None,
-    labels=None, loss_group=None, logits_to_keep=0)`` for this rank's zigzag shard runs
-    the base model (``lm.base_model``) to the final hidden states ``[T, d]``, then:
-    without ``labels`` the logits ``[T, V]`` (``lm_head``, and the config's
-    ``final_logit_softcapping`` when the family has one); with ``labels`` (``[T]``,
-    already shifted) the group-mean loss over ``loss_group``:
-    :func:`cp_rope.parallel.cp_linear_cross_entropy` on the hidden states and the
-    ``lm_head`` weight (the input embedding when tied), so ``[T, V]`` never exists
-    (``fused_loss=False`` or an ``lm_head`` with a bias: the logits, then
-    :func:`cp_rope.parallel.cp_cross_entropy`). ``logits_to_keep`` as transformers'
-    (an int k > 0: the last k rows; a 1-D index tensor: those rows; 0: all) selects
-    the rows of the logits, and of the loss with their labels. ``position_ids``:
-    the batch's global positions ``[T]`` (``placement``: a per-document shard's
-    ``batch.placement``, handed to the patch as ``cp_rope_placement``); ``None`` computes them with
-    :func:`cp_rope.global_positions` (reads ``cu_seqlens[-1]`` on the host).
-    :meth:`configure_attention` (what :func:`~cp_rope.launch.parallelize.apply_cp`
-    calls) is :func:`cp_rope.hf.patch_model` (with ``mlp_tile_tokens``: the
-    sequence-tiled MLP); :attr:`layers` are the decoder layers that
-    :func:`~cp_rope.launch.parallelize.apply_fsdp` shards one by one.
-    """
-
-    def __init__(self, lm: nn.Module, *, rope_kernel: bool = True, fused_loss: bool = True,
-                 loss_chunk_size: int = 0, mlp_tile_tokens: int = 0, loss_impl: str = "auto",
-                 fused_norm: bool = True, router_aux: MoESpec | None = None):
-        super().__init__()
-        self.lm, self.rope_kernel = lm, rope_kernel
-        self.router_aux = router_aux  # None: no load-balancing loss
-        self._aux_agreed, self._aux_log = False, None
-        self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
-        self.mlp_tile_tokens, self.loss_impl, self.fused_norm = mlp_tile_tokens, loss_impl, fused_norm
-        self.cp_size, self.cp_rank = 1, 0
-
-    @property
-    def layers(self) -> nn.ModuleList:
-        return self.lm.base_model.layers
-
-    @property
-    def tok_embeddings(self) -> nn.Module:  # what launch.model.count_params excludes
-        return self.lm.get_input_embeddings()
-
-    def configure_attention(self, *, cp_group, cp_method: str, attn_backend: str,
-                            rope_backend: str, ulysses_size: int | None = None) -> None:
-        if rope_backend != "auto":
-            raise ConfigError(f"parallel.rope_backend={rope_backend!r}: finetune_hf uses auto "
-                              "(set CP_ROPE_BACKEND=torch|triton to force one)")
-        patch_model(self.lm, group=cp_group, method=cp_method, backend=attn_backend,
-                    rope_kernel=self.rope_kernel, ulysses_size=ulysses_size,
-                    mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm)
-        self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
-
-    # the trainer's train_step passes the batch's seq_lens (the router loss's real tokens)
-    uses_seq_lens = True
-
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, *,
-                position_ids: torch.Tensor | None = None, placement=None,
-                labels: torch.Tensor | None = None,
-                loss_group: dist.ProcessGroup | None = None,
-                logits_to_keep: int | torch.Tensor = 0,
-                seq_lens: torch.Tensor | None = None) -> torch.Tensor:
-        if position_ids is None:
-            position_ids = global_positions(cu_seqlens, self.cp_size, self.cp_rank)
-        aux = self.router_aux is not None and self.training and labels is not None
-        out = self.lm.base_model(input_ids=input_ids[None], position_ids=position_ids[None],
-                                 cu_seq_lens_q=cu_seqlens, cu_seq_lens_k=cu_seqlens,
-                                 max_length_q=int(max_seqlen), max_length_k=int(max_seqlen),
-                                 **({} if placement is None else {"cp_rope_placement": placement}),
-                                 **({"output_router_logits": True} if aux else {}))
-        loss = self._head(out.last_hidden_state[0], labels, loss_group, logits_to_keep)
-        if not aux:
-            return loss
-        return with_extra_gradient(loss, self._router_loss(out, cu_seqlens, position_ids,
-                                                           seq_lens, placement, loss_group))
-
-    def _router_loss(self, out, cu_seqlens, position_ids, seq_lens, placement, loss_group):
-        """``coef * aux / dp`` of this CP group's batch (its gradient: the replica's share of
-        the data-parallel mean); keeps the dp x cp mean of ``aux`` for :meth:`log_metrics`."""
-        if seq_lens is None:
-            raise ValueError("seq_lens: the router load-balancing loss needs the batch's true "
-                             "sequence lengths (packing pads are not tokens): pass "
-                             "seq_lens=batch.seq_lens")
-        spec, patch = self.router_aux, self.lm.cp_rope_patch
-        mask = router_token_mask(cu_seqlens, position_ids, seq_lens, position_ids.shape[0],
-                                 placement=placement, cp_rank=self.cp_rank)
-        aux = load_balancing_loss(out.router_logits, num_experts=spec.num_experts,
-                                  top_k=spec.top_k, mask=mask, group=patch.group,
-                                  agree=not self._aux_agreed)
-        self._aux_agreed = True
-        world = dist.get_world_size(loss_group) if dist.is_initialized() else 1
-        dp = max(world // self.cp_size, 1)
-        logged = aux.detach() / world  # summed over dp x cp: the mean over the replicas
-        if world > 1:
-            dist.all_reduce(logged, group=loss_group)
-        self._aux_log = logged
-        return spec.coef * aux / dp
-
-    def log_metrics(self) -> dict:
-        """``{"aux_loss": float}`` of the last training forward (the router load-balancing loss,
-        unweighted, mean over the data-parallel replicas); ``{}`` without one."""
-        return {} if self._aux_log is None else {"aux_loss": float(self._aux_log)}
-
-    def _head(self, hidden, labels, loss_group, logits_to_keep):
-        if not isinstance(logits_to_keep, int) or logits_to_keep:  # transformers' semantics
-            keep = slice(-logits_to_keep, None) if isinstance(logits_to_keep, int) \
-                else logits_to_keep
-            hidden = hidden[keep]
-            labels = None if labels is None else labels[keep]
-        head = self.lm.get_output_embeddings()
-        softcap = getattr(self.lm.config, "final_logit_softcapping", None)
-        if labels is not None and self.fused_loss and getattr(head, "bias", None) is None:
-            return cp_linear_cross_entropy(hidden, head.weight, labels, loss_group,
-                                           chunk_size=self.loss_chunk_size or None,
-                                           softcap=softcap, impl=self.loss_impl)
-        logits = head(hidden)
-        if softcap is not None:
-            logits = softcap * torch.tanh(logits / softcap)
-        return logits if labels is None else cp_cross_entropy(logits, labels, loss_group)
 
 
 def _model_section(hf_config, hf: HFConfig) -> ModelConfig:

@@ -21,6 +21,7 @@ from torch import nn
 from cp_rope import RotaryEmbedding, apply_rotary_emb_qk
 from cp_rope.parallel import (
     attention_plan,
+    check_plan,
     context_parallel_attention,
     cp_cross_entropy,
     cp_linear_cross_entropy,
@@ -50,7 +51,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(t, self.n_heads, self.head_dim)
         k = self.wk(x).view(t, self.n_kv_heads, self.head_dim)
         v = self.wv(x).view(t, self.n_kv_heads, self.head_dim)
-        # the batch's plan (built once per forward, before the layers): RoPE's positions and
+        # the batch's plan (built once per step from the host batch): RoPE's positions and
         # the attention's schedule for its layout (zigzag or per-document) -- one path
         cos, sin = rope.tables(q.device)
         q, k = apply_rotary_emb_qk(q, k, cos, sin, **ctx.plan.rope_args(),
@@ -107,7 +108,7 @@ class TransformerBlock(nn.Module):
 
 class _Ctx:
     """Per-forward state passed to every block: the batch's attention plan (built once per
-    forward; the activation-checkpoint recompute gets the same object) and the RoPE backend."""
+    step; the activation-checkpoint recompute gets the same object) and the RoPE backend."""
 
     __slots__ = ("plan", "rope_backend")
 
@@ -125,19 +126,13 @@ class Transformer(nn.Module):
             :func:`cp_rope.launch.parallelize.parallelize` calls with the mesh's
             ``"cp"`` group); the defaults hold whole sequences in this process.
 
-    ``forward(input_ids, cu_seqlens=None, max_seqlen=None, *, plan=None, placement=None,
-    position_ids=None, labels=None, loss_group=None)``:
+    ``forward(input_ids, plan, *, labels=None, loss_group=None)``:
         input_ids: int64 ``[T]`` (this rank's shard under CP);
-        cu_seqlens: int32 ``[B + 1]``, the rank's local cu_seqlens (None with ``plan``);
-        max_seqlen: host int, longest local sequence (None with ``plan``);
-        plan: the batch's attention plan (:meth:`attention_plan`); without it the forward
-            builds one (once, before the layers: one host read of ``cu_seqlens`` and, at
-            cp > 1, the ranks' agreement); every layer and the activation-checkpoint
-            recompute use it: RoPE from ``plan.rope_args()``, attention by its kind;
-        placement: of a per-document shard (``batch.placement``;
-            :mod:`cp_rope.parallel.placement`), when no plan is given;
-        position_ids: accepted for compatibility (``batch.position_ids``); the plan's
-            positions, which equal them, are used;
+        plan: the batch's attention plan (:meth:`attention_plan`, built by the trainer
+            from the host batch before the batch moves to the device); every layer and the
+            activation-checkpoint recompute use it: RoPE from ``plan.rope_args()``,
+            attention by its kind. A plan of another batch (other rows, rank or a
+            changed cu_seqlens) raises ValueError naming ``plan``;
         labels, loss_group: with ``labels`` (``[T]``, the shard's) the forward
             returns the loss instead of the logits (:meth:`head`: fused with the
             output projection by default, so ``[T, vocab_size]`` never exists);
@@ -156,6 +151,7 @@ class Transformer(nn.Module):
             raise ValueError(f"cfg.vocab_size={cfg.vocab_size} and cfg.max_seq_len={cfg.max_seq_len} "
                              "must be resolved (>= 1) before building the model")
         self.cfg = cfg
+        self.compute_dtype: torch.dtype | None = None  # parallelize sets it (the plan's dtype)
         self.configure_attention(cp_group=cp_group, cp_method=cp_method, attn_backend=attn_backend,
                                  rope_backend=rope_backend)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -196,33 +192,38 @@ class Transformer(nn.Module):
             else:
                 nn.init.normal_(p, std=std)
 
-    def attention_plan(self, source, max_seqlen: int | None = None, *, dtype: torch.dtype,
-                       device=None, n_tokens: int | None = None):
+    def attention_plan(self, batch, max_seqlen: int | None = None, *,
+                       dtype: torch.dtype | None = None, device=None,
+                       n_tokens: int | None = None):
         """The attention plan of one batch for this model (collective over the CP group):
         :func:`cp_rope.parallel.attention_plan` with the model's heads, CP group, method,
-        backend and ``ulysses_size``. ``source``: a PackedBatch shard, a DocumentPlacement or
-        local zigzag cu_seqlens (with ``max_seqlen``); ``dtype``: the compute dtype."""
-        cfg = self.cfg
-        return attention_plan(source, max_seqlen, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
-                              head_dim=cfg.dim // cfg.n_heads, dtype=dtype, device=device,
+        backend and ``ulysses_size``. Call it on the *host* batch before moving it to the
+        device: no device-to-host read.
+
+        Args:
+            batch: this rank's PackedBatch shard (or a DocumentPlacement, or local zigzag
+                cu_seqlens with ``max_seqlen``).
+            dtype: the compute dtype (default: :attr:`compute_dtype`, which
+                :func:`~cp_rope.launch.parallelize.parallelize` sets, else the weights').
+            device: where the forward runs (default: the weights' device).
+            n_tokens: rows of ``input_ids`` (default: the batch's).
+
+        Raises: as :func:`cp_rope.parallel.attention_plan`.
+        """
+        cfg, weight = self.cfg, self.tok_embeddings.weight
+        return attention_plan(batch, max_seqlen, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
+                              head_dim=cfg.dim // cfg.n_heads,
+                              dtype=dtype or self.compute_dtype or weight.dtype,
+                              device=weight.device if device is None else device,
                               group=self.cp_group, method=self.cp_method,
                               ulysses_size=self.ulysses_size, backend=self.attn_backend,
                               n_tokens=n_tokens)
 
-    def forward(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor | None = None,
-                max_seqlen: int | None = None, *, plan=None, placement=None,
-                position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None,
+    def forward(self, input_ids: torch.Tensor, plan, *, labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         check_token_ids("input_ids", input_ids, self.tok_embeddings.num_embeddings)
+        check_plan(plan, input_ids.shape[0], cp_rank=self.cp_rank)
         h = self.tok_embeddings(input_ids)
-        if plan is None:  # once per forward (the step's batch), before the layers
-            plan = self.attention_plan(cu_seqlens if placement is None else placement,
-                                       None if placement is not None else max_seqlen,
-                                       dtype=h.dtype, device=h.device, n_tokens=h.shape[0])
-        elif cu_seqlens is not None or placement is not None:
-            raise ValueError("plan: pass the batch's plan alone (its cu_seqlens and placement "
-                             "are the plan's), or cu_seqlens / placement without a plan")
         ctx = _Ctx(plan, self.rope_backend)
         for layer in self.layers:
             h = layer(h, self.rope, ctx)

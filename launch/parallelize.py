@@ -130,6 +130,7 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> No
     if mode != "none" or cfg.model.offload_activations:
         apply_activation_checkpointing(model, mode, offload=cfg.model.offload_activations)
     dtype = compute_dtype(cfg, mesh.device_type)
+    model.compute_dtype = dtype  # the dtype of the batch's attention plan (model.attention_plan)
     if uses_fsdp(cfg, mesh.device_type):
         apply_fsdp(model, flat_mesh(mesh), dtype)
     else:

@@ -39,7 +39,6 @@ import datetime
 import math
 import os
 import signal
-import threading
 import time
 from dataclasses import dataclass, field
 
@@ -62,6 +61,7 @@ from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 from .plan_memory import auto_settings
 from .plot import write_report
 from .run_dir import RunStart, start_run
+from .stop_flag import StopFlag
 from .tokenizer import prepare_corpora
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
@@ -78,23 +78,27 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> Transformer:
 
 
 def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, *,
-               grad_scale: float = 1.0, reduce_group: dist.ProcessGroup | None = None,
+               device: torch.device | None = None, grad_scale: float = 1.0,
+               reduce_group: dist.ProcessGroup | None = None,
                reduce_grads: bool = True) -> torch.Tensor:
-    """Forward, CP loss, backward and (CPU path) the gradient SUM over ``reduce_group``.
+    """The batch's plan, forward, CP loss, backward and (CPU path) the gradient SUM.
 
     Args:
-        batch: this rank's :class:`~cp_rope.parallel.PackedBatch` shard, on the model's device.
+        batch: this rank's :class:`~cp_rope.parallel.PackedBatch` shard on the *host*: the
+            plan is built from it (``model.attention_plan``, once: no device-to-host read),
+            then it moves to ``device`` (default: the model's).
         loss_group: the dp x cp group the loss averages over (``None``: world).
         grad_scale: backward of ``loss * grad_scale``: the world size under FSDP2,
             whose reduce-scatter averages, so that the result is a SUM.
-        reduce_grads: all-reduce gradients here (no FSDP).
+        reduce_grads: all-reduce gradients over ``reduce_group`` here (no FSDP).
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
+    plan = model.attention_plan(batch, device=device)  # the step's one plan, from host data
+    batch = batch.to(plan.device, non_blocking=True)
     # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there);
     extra = {"seq_lens": batch.seq_lens} if getattr(model, "uses_seq_lens", False) else {}  # MoE
-    loss = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen, placement=batch.placement,
-                 position_ids=batch.position_ids, labels=batch.labels, loss_group=loss_group, **extra)
+    loss = model(batch.input_ids, plan, labels=batch.labels, loss_group=loss_group, **extra)
     (loss * grad_scale if grad_scale != 1.0 else loss).backward()
     if reduce_grads:
         all_reduce_gradients(model, reduce_group)
@@ -132,75 +136,6 @@ class _Batches:
             batch = next(self._it)
         self.consumed += 1
         return batch
-
-
-class _StopFlag:
-    """SIGTERM / SIGINT set a flag that the loop checks (agreed on by all ranks) between steps.
-
-    A rank waiting in a collective for a dead or hung peer never gets back to
-    the Python loop (nor runs a Python signal handler), so the flag alone would
-    wait for the process-group timeout or the scheduler's SIGKILL. With
-    ``grace_s > 0`` the signal also wakes a watchdog thread (through
-    :func:`signal.set_wakeup_fd`, written by the C-level handler): unless the
-    loop has taken the stop (:meth:`take`) within ``grace_s`` seconds, it
-    prints why and exits the process with status 128 + signal, without a
-    checkpoint (the previous one stays valid).
-    """
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __init__(self, grace_s: float = 0.0):
-        self.signum = 0
-        self.grace_s = grace_s
-        self._old = {}
-        self._taken = threading.Event()
-        self._wakeup = None  # (read fd, write fd, previous wakeup fd)
-
-    def __enter__(self):
-        for sig in self._SIGNALS:
-            self._old[sig] = signal.signal(sig, self._handle)
-        if self.grace_s > 0:
-            r, w = os.pipe()
-            os.set_blocking(w, False)
-            self._wakeup = (r, w, signal.set_wakeup_fd(w, warn_on_full_buffer=False))
-            threading.Thread(target=self._watch, args=(r,), daemon=True, name="stop-watchdog").start()
-        return self
-
-    def _handle(self, signum, frame):
-        self.signum = signum
-        signal.signal(signum, self._old.get(signum, signal.SIG_DFL))  # a second signal: default
-
-    def _watch(self, fd: int) -> None:
-        try:
-            while data := os.read(fd, 64):  # b"" once __exit__ closes the write end
-                sig = next((b for b in data if b in self._SIGNALS), None)
-                if sig is None or self._taken.wait(self.grace_s):
-                    continue
-                os.write(2, (f"rank {dist.get_rank() if dist.is_initialized() else 0}: "
-                             f"{signal.Signals(sig).name}: the current step did not finish within "
-                             f"{self.grace_s:g} s (--stop-grace-s; a rank stuck in a collective?): "
-                             "exiting without a checkpoint\n").encode())
-                os._exit(128 + sig)
-        finally:
-            os.close(fd)
-
-    def take(self) -> None:
-        """The loop has seen the stop: the watchdog stands down (the save may take its time)."""
-        self._taken.set()
-
-    def __exit__(self, *exc):
-        for sig, old in self._old.items():
-            signal.signal(sig, old)
-        if self._wakeup is not None:
-            r, w, previous = self._wakeup
-            signal.set_wakeup_fd(previous)
-            os.close(w)
-
-    def any_rank(self, device: torch.device) -> int:
-        flag = torch.tensor([self.signum], device=device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag.item())
 
 
 def setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
@@ -279,7 +214,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
 
     ``build(cfg, device) -> nn.Module`` replaces :func:`build_model` (e.g.
     :mod:`cp_rope.launch.finetune_hf`'s transformers model): a module with
-    ``forward(input_ids, cu_seqlens, max_seqlen, *, labels=None, loss_group=None)``
+    ``attention_plan(batch, *, dtype=None, device=None)`` and
+    ``forward(input_ids, plan, *, labels=None, loss_group=None)``
     (logits, or with ``labels`` the group-mean loss), ``layers``,
     ``tok_embeddings`` and ``configure_attention`` (what :func:`parallelize` uses).
     ``--memory auto`` picks the memory flags (:func:`cp_rope.launch.plan_memory.auto_settings`)
@@ -360,7 +296,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
-    cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write)  # own RNG
+    cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
+                layers=getattr(model, "attention_layers", ((None,), False)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
@@ -385,7 +322,7 @@ def train_loop(tr: Trainer) -> None:
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
     tr.model.train()
-    with _StopFlag(cfg.train.stop_grace_s) as stop:
+    with StopFlag(cfg.train.stop_grace_s) as stop:
         while tr.step < last:
             tr.interrupted = stop.any_rank(device)
             if tr.interrupted:
@@ -396,9 +333,9 @@ def train_loop(tr: Trainer) -> None:
             host_batch = next(tr.batches)
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
             tr.stats.add(host_batch)  # labelled tokens, their bytes, the CP ranks' work
-            batch = host_batch.to(device, non_blocking=True)
             tr.optimizer.zero_grad(set_to_none=True)
-            loss = train_step(tr.model, batch, tr.loss_group, grad_scale=float(world) if tr.fsdp else 1.0,
+            loss = train_step(tr.model, host_batch, tr.loss_group, device=device,
+                              grad_scale=float(world) if tr.fsdp else 1.0,
                               reduce_group=tr.loss_group, reduce_grads=not tr.fsdp)
             loss_val = float(loss)
             if not math.isfinite(loss_val):

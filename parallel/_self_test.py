@@ -28,7 +28,7 @@ from cp_rope import apply_rotary_emb_qk, rope_cache
 
 from .batch import PackedBatch
 from .loss import cp_cross_entropy
-from .placement import default_split_threshold, place_documents
+from .placement import default_split_threshold
 from .sharding import shard_batch
 
 __all__ = ["SelfTestError", "SelfTestResult", "self_test"]
@@ -78,8 +78,10 @@ def _global_batch(cp_size: int, threshold: int | None, gen: torch.Generator) -> 
                        max_seqlen=max(padded), seq_lens=torch.tensor(raw, dtype=torch.int32))
 
 
-def _reference_attention(q, k, v, cu) -> torch.Tensor:
-    """Causal attention per document, plain PyTorch (q's dtype; GQA by repeating k/v)."""
+def _reference_attention(q, k, v, cu, window=None, sinks=None) -> torch.Tensor:
+    """Causal attention per document, plain PyTorch (q's dtype; GQA by repeating k/v); a
+    query at position p sees keys p - window + 1 .. p (``window`` None: all earlier ones);
+    ``sinks`` ``[Hq]``: each row's softmax denominator gains ``exp(sinks[h])``."""
     rep = q.shape[1] // k.shape[1]
     out = torch.zeros_like(q)
     scale = q.shape[-1] ** -0.5
@@ -89,17 +91,26 @@ def _reference_attention(q, k, v, cu) -> torch.Tensor:
         qs, ks = q[a:e].transpose(0, 1), k[a:e].repeat_interleave(rep, 1).transpose(0, 1)
         vs = v[a:e].repeat_interleave(rep, 1).transpose(0, 1)
         s = (qs @ ks.transpose(1, 2)) * scale
-        mask = torch.ones(e - a, e - a, dtype=torch.bool, device=q.device).tril()
-        out[a:e] = (s.masked_fill(~mask, float("-inf")).softmax(-1) @ vs).transpose(0, 1)
+        i = torch.arange(e - a, device=q.device)
+        mask = i[:, None] >= i[None, :]
+        if window is not None:
+            mask &= i[:, None] - i[None, :] < window
+        s = s.masked_fill(~mask, float("-inf"))
+        if sinks is not None:  # one more column per row: the sink logit, no value
+            col = sinks.to(s.dtype)[:, None, None].expand(-1, e - a, 1)
+            p = torch.cat([s, col], -1).softmax(-1)[..., :-1]
+        else:
+            p = s.softmax(-1)
+        out[a:e] = (p @ vs).transpose(0, 1)
     return out
 
 
-def _rope(q, k, cos, sin, cu, **kw):
+def _rope(q, k, cos, sin, cu_seqlens, **kw):
     """RoPE (float64 through float32, the kernels' widest dtype: the same rounding in the
     sharded and the unsharded run, which rotate the same rows at the same positions)."""
     if q.dtype != torch.float64:
-        return apply_rotary_emb_qk(q, k, cos, sin, cu, **kw)
-    qr, kr = _rope(q.float(), k.float(), cos, sin, cu, **kw)
+        return apply_rotary_emb_qk(q, k, cos, sin, cu_seqlens, **kw)
+    qr, kr = _rope(q.float(), k.float(), cos, sin, cu_seqlens, **kw)
     return qr.double(), kr.double()
 
 
@@ -113,14 +124,15 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
               head_dim: int = 32, dtype: torch.dtype = torch.float32,
               device: torch.device | str = "cpu", cp_rank: int | None = None,
               cp_size: int | None = None, data_placement: str | None = None,
-              seed: int = 0) -> SelfTestResult:
+              seed: int = 0, window: int | None | list = None,
+              sinks: bool = False) -> SelfTestResult:
     """Check RoPE + CP attention + CP loss on ``group`` against the unsharded computation.
 
     Args:
         group: the CP process group (None or one rank: cp_size 1). Collective over it.
         method, backend, placement, ulysses_size, split_threshold: the configured CP
-            attention (as :func:`~cp_rope.parallel.context_parallel_attention` /
-            :func:`~cp_rope.parallel.per_document_attention`; ``split_threshold`` None with
+            attention (as :func:`~cp_rope.parallel.context_parallel_attention`, also with a
+            per-document placement; ``split_threshold`` None with
             per_document: :func:`~cp_rope.parallel.default_split_threshold`).
         q_heads, kv_heads, head_dim, dtype, device: the model's attention shapes and compute
             dtype, and this rank's device.
@@ -128,6 +140,15 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
             the group's rank and size.
         data_placement: how the data is placed (default ``placement``).
         seed: of the test's own generator (rank 0's numbers are broadcast).
+        window: the model's attention windows (as :func:`~cp_rope.parallel.attention_plan`'s
+            ``window``: an int W, None, or the list of the layers' windows, None for full
+            layers): one attention layer per window, their outputs summed.
+        sinks: the layers carry per-head sink logits (random ``[q_heads]``, their gradient
+            compared as ``dsinks``).
+
+    The path is the trainers': the plan of this rank's host shard
+    (:func:`~cp_rope.parallel.attention_plan`), RoPE from ``plan.rope_args()``, each layer
+    ``context_parallel_attention(q, k, v, plan=plan, window=W, sinks=...)``.
 
     The batch: documents of 1, 0, 7, ``t + 1`` (zigzag: ``t = 8 cp_size``; per-document:
     ``t = min(split_threshold, 32 cp_size)``, the test's own threshold, so that the batch
@@ -135,7 +156,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     ``2 cp_size + 1`` and 3 tokens, each padded to a multiple of ``2 cp_size``; random q, k,
     v, an output projection to 64 classes and labels. Compared: the loss, the attention
     output, dq, dk, dv (after RoPE's backward) and the projection's gradient, each as
-    ``max |CP - unsharded| / max |unsharded|`` against :data:`TOLERANCE` of ``dtype``.
+    ``max |CP - unsharded| / max |unsharded|`` against :data:`TOLERANCE` of ``dtype``
+    (the unsharded run: per-document causal attention, windowed and with sinks as asked).
 
     Returns: a :class:`SelfTestResult` (time, errors).
 
@@ -158,8 +180,16 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
         if dtype not in TOLERANCE:
             raise TypeError(f"dtype must be one of {sorted(str(d) for d in TOLERANCE)}, got "
                             f"{dtype!r}")
+        windows = tuple(dict.fromkeys(window if isinstance(window, (list, tuple))
+                                      else [window]))
+        for w in windows:
+            if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 1):
+                raise ValueError(f"window={window!r}: each window must be an int >= 1 or None")
+        if not isinstance(sinks, bool):
+            raise TypeError(f"sinks must be a bool, got {type(sinks).__name__}")
     except (TypeError, ValueError, RuntimeError) as exc:
         local, device = f"{type(exc).__name__}: {exc}", torch.device("cpu")
+        windows, sinks = (None,), False
     C = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     r = dist.get_rank(group) if C > 1 else 0
     if C == 1:
@@ -168,14 +198,17 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     data_size = C if cp_size is None else cp_size
     data_place = placement if data_placement is None else data_placement
     setting = dict(method=method, backend=backend, placement=placement, ulysses_size=ulysses_size,
-                   split_threshold=split_threshold, cp_size=C, dtype=str(dtype).removeprefix("torch."))
+                   split_threshold=split_threshold, cp_size=C, dtype=str(dtype).removeprefix("torch."),
+                   **({"window": list(windows)} if windows != (None,) else {}),
+                   **({"sinks": True} if sinks else {}))
     if C == 1 and local is not None:
         raise SelfTestError(f"cp self-test ({_describe(setting)}): {local}")
     if C > 1:  # the data's CP position must be the group's, on every rank
         views: list = [None] * C
         shapes = dict(seed=seed, method=method, backend=backend, placement=placement,
                       ulysses_size=ulysses_size, split_threshold=split_threshold,
-                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype))
+                      q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim, dtype=str(dtype),
+                      window=windows, sinks=sinks)
         dist.all_gather_object(views, (data_rank, data_size, data_place, shapes, local),
                                group=group)
         refused = [f"rank {i}: {v[4]}" for i, v in enumerate(views) if v[4] is not None]
@@ -202,6 +235,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     qkvw = [torch.randn(T, h, head_dim, generator=gen) for h in (q_heads, kv_heads, kv_heads)]
     qkvw.append(torch.randn(q_heads * head_dim, _VOCAB, generator=gen) / (q_heads * head_dim) ** 0.5)
+    if sinks:  # per-head sink logits, in the kernels' float32 (float64 for float64)
+        qkvw.append(torch.randn(q_heads, generator=gen))
     qkvw = [t.to(device, dtype if i < 3 else acc) for i, t in enumerate(qkvw)]
     if C > 1:  # rank 0's numbers everywhere
         for t in qkvw:
@@ -210,8 +245,9 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
 
     error, got = None, None
     try:
-        got = _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place, thr,
-                      method, backend, placement, ulysses_size, device)
+        got = _cp_run(glob, qkvw[:4], cos, sin, group, C, r, data_size, data_rank, data_place,
+                      thr, method, backend, placement, ulysses_size, device, windows,
+                      qkvw[4] if sinks else None)
     except Exception as exc:  # a CP run that fails is a failed self-test, on every rank
         error = f"{type(exc).__name__}: {exc}"
     if C > 1:
@@ -220,11 +256,11 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
         error = next((f"rank {i}: {e}" for i, e in enumerate(errs) if e is not None), None)
     if error is not None:
         raise SelfTestError(f"cp self-test ({_describe(setting)}) failed: {error}")
-    ref = _unsharded(glob, qkvw, cos, sin, acc)
+    ref = _unsharded(glob, qkvw[:4], cos, sin, acc, windows, qkvw[4] if sinks else None)
     tol = TOLERANCE[dtype]
     errors, worst = {}, None
     cu = glob.cu_seqlens.long()
-    for name in ("output", "dq", "dk", "dv", "loss", "dW"):
+    for name in ("output", "dq", "dk", "dv", "loss", "dW", *(("dsinks",) if sinks else ())):
         g, e = got[name].to("cpu", torch.float64), ref[name].to("cpu", torch.float64)
         diff = (g - e).abs()
         scale = max(float(e.abs().max()), 1e-30) if e.numel() else 1.0
@@ -249,37 +285,40 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
 
 
 def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place, thr, method,
-            backend, placement, ulysses_size, device) -> dict:
-    """This rank's sharded run, gathered back into global rows: a dict of results."""
-    from .attention import context_parallel_attention
-    from .per_document import per_document_attention
+            backend, placement, ulysses_size, device, windows, sinks) -> dict:
+    """This rank's sharded run by the trainers' path (the plan of the host shard, RoPE from
+    ``plan.rope_args()``, one attention call per layer with ``plan=``: one layer per window
+    of ``windows``, their outputs summed), gathered back into global rows: a dict."""
+    from .attention import attention_plan, context_parallel_attention
 
     local = shard_batch(glob, max(data_size, 1), data_rank, placement=data_place,
                         split_threshold=thr if data_place == "per_document" else None, pad_id=-1)
+    q_heads, kv_heads, head_dim = qkvw[0].shape[1], qkvw[1].shape[1], qkvw[0].shape[2]
+    plan = attention_plan(local, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
+                          dtype=qkvw[0].dtype, device=device, group=group, method=method,
+                          backend=backend, placement=placement, ulysses_size=ulysses_size,
+                          window=list(windows), sinks=sinks is not None)
     rows = local.input_ids  # global row of every local row (-1: padding)
     real = rows >= 0
     take = rows.clamp(min=0).to(device)
     q, k, v = (torch.where(real.to(device)[:, None, None], t[take], 0).detach().requires_grad_()
                for t in qkvw[:3])
     W = qkvw[3].detach().clone().requires_grad_()
-    cu = local.cu_seqlens.to(device)
-    if placement == "per_document":
-        placed = local.placement if local.placement is not None else place_documents(
-            glob.cu_seqlens, C, thr)
-        qr, kr = _rope(q, k, cos, sin, cu, position_ids=local.position_ids.to(device))
-        out = per_document_attention(qr, kr, v, placement=placed, group=group, method=method,
-                                     backend=backend, ulysses_size=ulysses_size)
-    else:
-        qr, kr = _rope(q, k, cos, sin, cu, max_seqlen=local.max_seqlen,
-                                     cp_size=C, cp_rank=r)
-        out = context_parallel_attention(qr, kr, v, cu, local.max_seqlen, group=group,
-                                         method=method, backend=backend, ulysses_size=ulysses_size)
+    sk = None if sinks is None else sinks.detach().clone().requires_grad_()
+    qr, kr = _rope(q, k, cos, sin, **plan.rope_args())
+    # plan.for_window(w), not window=w: with a plan, window=None means the plan's own window
+    # (its first), not a full layer's
+    out = sum(context_parallel_attention(qr, kr, v, plan=plan.for_window(w), sinks=sk)
+              for w in windows)
     logits = out.reshape(out.shape[0], -1).to(W.dtype) @ W
     loss = cp_cross_entropy(logits, local.labels.to(device), group)
     loss.backward()
-    dW = W.grad
-    if group is not None:
-        dist.all_reduce(dW, group=group)
+    dW, extra = W.grad, {}
+    if sk is not None:  # each rank's share of the sinks' gradient
+        extra["dsinks"] = sk.grad
+    for t in (dW, *extra.values()):
+        if group is not None:
+            dist.all_reduce(t, group=group)
     res = {"output": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad}
     T = glob.input_ids.numel()
     full = {}
@@ -296,19 +335,21 @@ def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place,
         full[name] = g
     full["loss"] = loss.detach().reshape(1)
     full["dW"] = dW
-    return full
+    return {**full, **extra}
 
 
-def _unsharded(glob, qkvw, cos, sin, acc) -> dict:
+def _unsharded(glob, qkvw, cos, sin, acc, windows, sinks) -> dict:
     """The same computation on the whole batch, one process, plain attention in ``acc``."""
     q, k, v = (t.detach().to(acc).requires_grad_() for t in qkvw[:3])
     W = qkvw[3].detach().clone().requires_grad_()
+    sk = None if sinks is None else sinks.detach().to(acc).requires_grad_()
     cu = glob.cu_seqlens.to(q.device)
     qr, kr = _rope(q, k, cos, sin, cu, max_seqlen=glob.max_seqlen)
-    out = _reference_attention(qr, kr, v, glob.cu_seqlens)
+    out = sum(_reference_attention(qr, kr, v, glob.cu_seqlens, w, sk) for w in windows)
     logits = out.reshape(out.shape[0], -1) @ W
     loss = F.cross_entropy(logits.float() if acc != torch.float64 else logits,
                            glob.labels.to(q.device), ignore_index=-100)
     loss.backward()
     return {"output": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad,
-            "loss": loss.detach().reshape(1), "dW": W.grad}
+            "loss": loss.detach().reshape(1), "dW": W.grad,
+            **({} if sk is None else {"dsinks": sk.grad})}

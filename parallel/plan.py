@@ -29,8 +29,6 @@ tensor) and, with ``cp_size > 1``, runs one ``all_gather_object``.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 import types
 
 import torch
@@ -61,129 +59,21 @@ from ._window import (
 )
 from .allgather import allgather_schedule
 from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
+from .plan_checks import (
+    DTYPES,
+    FrozenPlan,
+    check_device,
+    check_softmax_scale,
+    check_tensors,
+)
 from .ring import ring_schedule
 from .ulysses import a2a_groups, a2a_schedule, check_ulysses_args
 
 __all__ = ["CPAttentionPlan", "METHODS", "FrozenPlan", "check_device", "check_softmax_scale",
            "check_tensors", "check_across_ranks"]
 
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 _SCHEDULES = {"ring": ring_schedule, "allgather": allgather_schedule,
               "ulysses": a2a_schedule, "hybrid": a2a_schedule}
-
-
-def check_device(device) -> torch.device:
-    """``device`` as a ``torch.device`` this process can use (``cuda`` gets its index).
-
-    Raises: TypeError if not a torch.device / str / int; ValueError naming ``device`` if it
-    is not a device name, or a CUDA device on a machine or build without one (or beyond
-    ``torch.cuda.device_count()``).
-    """
-    if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
-        raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, ValueError) as exc:  # e.g. an int on a build without accelerator
-        raise ValueError(f"device={device!r} is not usable here: {exc}") from None
-    if dev.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r}: CUDA is not available (torch "
-                             f"{torch.__version__}, CUDA build {torch.version.cuda})")
-        if dev.index is None:
-            dev = torch.device("cuda", torch.cuda.current_device())
-        elif dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device={device!r}: this process sees "
-                             f"{torch.cuda.device_count()} CUDA device(s)")
-    return dev
-
-
-def check_softmax_scale(softmax_scale) -> float | None:
-    """``softmax_scale`` as a float > 0 (or None). Raises TypeError / ValueError naming it."""
-    if softmax_scale is None:
-        return None
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, numbers.Real):
-        raise TypeError(f"softmax_scale must be a float or None, got {type(softmax_scale).__name__}")
-    if not 0 < softmax_scale < math.inf:
-        raise ValueError(f"softmax_scale must be finite and > 0, got {softmax_scale!r}")
-    return float(softmax_scale)
-
-
-def check_tensors(q, k, v, *, raise_: bool = True) -> bool:
-    """q ``[T, Hq, D]``, k / v ``[T, Hkv, D]`` of one float dtype and device, ``Hq % Hkv == 0``.
-
-    Returns True if they pass; with ``raise_`` (default) raises TypeError / ValueError
-    naming the tensor instead of returning False.
-    """
-    try:
-        for name, t in (("q", q), ("k", k), ("v", v)):
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-            if t.dim() != 3:
-                raise ValueError(f"{name} must be [T, H, D], got shape {tuple(t.shape)}")
-            if t.dtype not in _DTYPES:
-                raise TypeError(f"{name} must be float16/bfloat16/float32/float64, got {t.dtype}")
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                             f"{tuple(v.shape)}")
-        if q.shape[0] != k.shape[0] or q.shape[2] != k.shape[2]:
-            raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree in T and D")
-        if q.shape[1] % k.shape[1] != 0:
-            raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of k/v heads "
-                             f"({k.shape[1]})")
-        if not (q.dtype == k.dtype == v.dtype) or not (q.device == k.device == v.device):
-            raise ValueError(f"q, k, v must share dtype and device, got {q.dtype}/{k.dtype}/"
-                             f"{v.dtype} on {q.device}/{k.device}/{v.device}")
-    except (TypeError, ValueError):
-        if raise_:
-            raise
-        return False
-    return True
-
-
-def _version(t) -> int | None:
-    """A tensor's in-place version counter (None for inference tensors, which have none)."""
-    try:
-        return t._version
-    except RuntimeError:
-        return None
-
-
-class FrozenPlan:
-    """Base of the plan kinds: read-only attributes (set only while building) and a check
-    that the tensors a plan was built from were not changed in place since."""
-
-    __slots__ = ("_frozen", "_stamps")
-
-    def __setattr__(self, name, value):
-        if getattr(self, "_frozen", False):
-            raise AttributeError(f"plan: {type(self).__name__}.{name} is read-only; build a new "
-                                 "plan (cp_rope.parallel.attention_plan) for another batch")
-        object.__setattr__(self, name, value)
-
-    def __delattr__(self, name):
-        raise AttributeError(f"plan: {type(self).__name__}.{name} is read-only")
-
-    def _freeze(self, *tensors) -> None:
-        self._stamps = tuple((t, _version(t)) for t in tensors if isinstance(t, torch.Tensor))
-        self._frozen = True
-
-    def __reduce_ex__(self, protocol):  # copy.copy / deepcopy / pickle
-        raise TypeError(f"plan: a {type(self).__name__} cannot be copied or pickled (it holds "
-                        "the process group and the batch's tensors); build one per batch with "
-                        "cp_rope.parallel.attention_plan where it is used")
-
-    def _stamp(self, t: torch.Tensor) -> None:
-        """Guard a tensor the plan hands out (rope_args' positions) like its own inputs."""
-        object.__setattr__(self, "_stamps", self._stamps + ((t, _version(t)),))
-
-    def check_unchanged(self) -> None:
-        """Raise ValueError naming ``plan`` if a tensor it was built from was changed in place
-        (``plan.cu_seqlens[...] = ...``: its schedule is of the old values). Host only."""
-        for t, v in self._stamps:
-            if v is not None and _version(t) != v:
-                raise ValueError("plan: its cu_seqlens / seq_lens / positions were changed in "
-                                 "place after the plan was built (the plan holds the schedule "
-                                 "of the old values); build a new plan for the new batch")
 
 
 class CPAttentionPlan(FrozenPlan):
@@ -260,7 +150,7 @@ class CPAttentionPlan(FrozenPlan):
             q_heads = check_int("q_heads", q_heads, min_value=1)
             kv_heads = check_int("kv_heads", kv_heads, min_value=1)
             head_dim = check_int("head_dim", head_dim, min_value=1)
-            if dtype not in _DTYPES:
+            if dtype not in DTYPES:
                 raise TypeError(f"dtype must be float16/bfloat16/float32/float64, got {dtype}")
             if q_heads % kv_heads:
                 raise ValueError(f"q heads ({q_heads}) must be a multiple of k/v heads "

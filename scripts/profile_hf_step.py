@@ -71,7 +71,8 @@ def build(a, device):
 
 
 def loss_of(model, a, ids, cu, max_len, labels):
-    return model(ids, cu, max_len, labels=labels)
+    plan = model.attention_plan(cu, max_len, dtype=torch.bfloat16)  # once per step, as the trainer
+    return model(ids, plan, labels=labels)
 
 
 def run(a) -> dict:

@@ -318,11 +318,13 @@ def test_cudnn_call_pauses_collection_across_threads(monkeypatch):
 
 
 def test_the_model_builds_one_plan_per_step(monkeypatch):
-    """The pretraining model builds the batch's plan once per forward and every layer (and the
-    activation-checkpoint recompute in backward) reuses it."""
+    """train_step builds the batch's plan once per step from the host batch; every layer (and
+    the activation-checkpoint recompute in backward) reuses it."""
     from cp_rope.launch.config import ModelConfig
     from cp_rope.launch.model import Transformer
     from cp_rope.launch.parallelize import apply_activation_checkpointing
+    from cp_rope.launch.pretrain import train_step
+    from cp_rope.parallel import PackingCollator
 
     builds = []
     real = CPAttentionPlan.build.__func__
@@ -332,10 +334,18 @@ def test_the_model_builds_one_plan_per_step(monkeypatch):
                       vocab_size=64, max_seq_len=64)
     model = Transformer(cfg)
     apply_activation_checkpointing(model)
-    cu = torch.tensor([0, 17, 40], dtype=torch.int32)
+    g = torch.Generator().manual_seed(0)
+    batch = PackingCollator(cp_size=1)([{"input_ids": torch.randint(0, 64, (n,), generator=g)}
+                                        for n in (17, 23)])
     for step in range(2):
-        model(torch.randint(0, 64, (40,)), cu, 23).square().mean().backward()
+        train_step(model, batch, None, reduce_grads=False)
         assert len(builds) == step + 1, builds
+    # the model takes the plan, never builds one: another batch's plan is refused, naming it
+    other = PackingCollator(cp_size=1)([{"input_ids": torch.randint(0, 64, (9,), generator=g)}])
+    with pytest.raises(ValueError, match=r"plan: built for a batch of 10 rows, got 42"):
+        model(batch.input_ids, model.attention_plan(other))
+    with pytest.raises(TypeError, match=r"plan must be the batch's attention plan"):
+        model(batch.input_ids, batch.cu_seqlens)
 
 
 # ------------------------------------------------------------------ issue 35: a peer's shard

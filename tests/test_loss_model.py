@@ -101,10 +101,10 @@ def test_native_fused_loss_and_tiled_mlp_equal_the_plain_model():
     b = _batch()
 
     def loss(m):
-        return m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels)
+        return m(b.input_ids, m.attention_plan(b), labels=b.labels)
 
     def plain(m):  # logits, then the CP loss on them (the trainer before the fused loss)
-        return cp_cross_entropy(m(b.input_ids, b.cu_seqlens, b.max_seqlen), b.labels)
+        return cp_cross_entropy(m(b.input_ids, m.attention_plan(b)), b.labels)
 
     ref = _loss_and_grads(_native(fused_loss=False), plain)
     _compare(_loss_and_grads(_native(fused_loss=False), loss), ref, "unfused head")
@@ -113,7 +113,8 @@ def test_native_fused_loss_and_tiled_mlp_equal_the_plain_model():
     _compare(_loss_and_grads(_native(mlp_tile_tokens=1, fused_loss=False), plain), ref,
              "tiled MLP 1")
     # no labels: the logits, as before
-    logits = _native(mlp_tile_tokens=4)(b.input_ids, b.cu_seqlens, b.max_seqlen)
+    m = _native(mlp_tile_tokens=4)
+    logits = m(b.input_ids, m.attention_plan(b))
     assert logits.shape == (b.input_ids.numel(), V)
 
 
@@ -191,7 +192,7 @@ def test_hf_fused_loss_and_tiled_mlp_equal_the_logits_path(family, tie, softcap)
     b = _batch()
 
     def loss(m):
-        return m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels)
+        return m(b.input_ids, m.attention_plan(b), labels=b.labels)
 
     def plain(m):  # the patched transformers model's own logits, then the CP loss
         logits = m.lm(input_ids=b.input_ids[None], position_ids=b.position_ids[None],
@@ -213,12 +214,11 @@ def test_hf_fused_loss_and_tiled_mlp_equal_the_logits_path(family, tie, softcap)
     # logits: all rows, the last k (transformers' logits_to_keep), and the loss on kept rows
     m = _hf(family, tie, softcap, loss_chunk_size=9)
     with torch.no_grad():
-        full = m(b.input_ids, b.cu_seqlens, b.max_seqlen)
-        assert_close(full, m(b.input_ids, b.cu_seqlens, b.max_seqlen, position_ids=b.position_ids),
-                     name="logits with the batch's positions")
-        last = m(b.input_ids, b.cu_seqlens, b.max_seqlen, logits_to_keep=10)
+        plan = m.attention_plan(b)
+        full = m(b.input_ids, plan)
+        last = m(b.input_ids, plan, logits_to_keep=10)
         assert_close(last, full[-10:], name="logits_to_keep=10")
-        kept = m(b.input_ids, b.cu_seqlens, b.max_seqlen, labels=b.labels, logits_to_keep=10)
+        kept = m(b.input_ids, plan, labels=b.labels, logits_to_keep=10)
         assert_close(kept.reshape(1), cp_cross_entropy(full[-10:], b.labels[-10:]).reshape(1),
                      name="loss on the kept rows")
 

@@ -45,7 +45,7 @@ def test_native_model_modes_give_the_same_gradients(mode, offload):
     cu = torch.tensor([0, 19, 41], dtype=torch.int32)
 
     def loss(m):
-        return m(ids, cu, 22).log_softmax(-1).square().mean()
+        return m(ids, m.attention_plan(cu, 22)).log_softmax(-1).square().mean()
 
     torch.manual_seed(1)
     ref = Transformer(cfg)
@@ -234,7 +234,7 @@ def _cp2_body(rank, world_size):
         off = apply_activation_checkpointing(model, mode, offload=offload)
         if off is not None:
             off.min_bytes = 0
-        out = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+        out = model(batch.input_ids, model.attention_plan(batch))
         out.log_softmax(-1).square().mean().backward()
         grads[mode] = {n: p.grad for n, p in model.named_parameters()}
     for mode in ("full", "selective"):

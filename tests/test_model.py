@@ -19,4 +19,4 @@ def test_native_model_input_id_outside_vocab():
     ids[5] = 50
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(ValueError, match=r"input_ids holds token id 50.*\[0, 50\)"):
-        model(ids, cu, 8)
+        model(ids, model.attention_plan(cu, 8))

@@ -239,8 +239,7 @@ def _pretrain_counts_body(rank, world_size):
         model = Transformer(cfg, cp_group=group)
         apply_activation_checkpointing(model)  # the recompute reuses the forward's plan
         with _Count() as count:
-            out = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen,
-                        placement=batch.placement, position_ids=batch.position_ids)
+            out = model(batch.input_ids, model.attention_plan(batch))
             out.square().mean().backward()
         seen[n_layers] = (count.calls, count.builds)
     # one per-document plan per forward: the split and whole parts' builds, 2 agreements

@@ -309,7 +309,7 @@ def test_activation_checkpointing_recomputes_each_block_with_the_same_gradients(
         for block in model.layers:
             # a pre-hook: recomputation stops early, once the tensors backward needs exist
             block.feed_forward.register_forward_pre_hook(lambda *_: calls.__setitem__(-1, calls[-1] + 1))
-        model(ids, cu, 23).square().mean().backward()
+        model(ids, model.attention_plan(cu, 23)).square().mean().backward()
         grads.append({n: p.grad for n, p in model.named_parameters()})
     assert calls == [2, 4], calls  # n_layers forwards, then n_layers recomputations
     for name, g in grads[0].items():

@@ -74,7 +74,7 @@ def _reference(docs, label_fn, device, bf16_mesh=None):
     model = _build(device)
     if bf16_mesh is not None:
         apply_fsdp(model, bf16_mesh, torch.bfloat16)
-    logits = model(batch.input_ids, batch.cu_seqlens, batch.max_seqlen)
+    logits = model(batch.input_ids, model.attention_plan(batch))
     n = int((batch.labels != -100).sum())
     ce = F.cross_entropy(logits.float(), batch.labels, ignore_index=-100, reduction="sum")
     loss = ce / max(n, 1)
@@ -131,7 +131,7 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
         glob = _no_label(glob)  # the one label lives in dp rank 0's batch
     # per_document: documents up to 24 tokens (padded) whole on one rank, the others zigzag
     doc = {} if placement == "zigzag" else {"placement": placement, "split_threshold": 24}
-    batch = shard_batch(glob, cp, cp_rank, **doc).to(device)
+    batch = shard_batch(glob, cp, cp_rank, **doc)  # on the host: train_step plans, then moves it
     # The production wiring: CP over mesh["cp"], activation checkpointing, FSDP2 or a cast.
     model = _build(device)
     parallelize(model, mesh, PretrainConfig(
@@ -141,7 +141,7 @@ def _check_case(dp: int, cp: int, labels: str, device: torch.device, fsdp: bool,
         train=TrainConfig(dtype="bfloat16" if gpu else "float32")))
     assert model.cp_size == cp and all(getattr(b, "checkpoint_mode", "none") == checkpoint_mode(ac)
                                        for b in model.layers)
-    loss = train_step(model, batch, flat.get_group(), reduce_group=flat.get_group(),
+    loss = train_step(model, batch, flat.get_group(), device=device, reduce_group=flat.get_group(),
                       grad_scale=float(world) if fsdp else 1.0, reduce_grads=not fsdp)
     tol_dtype = torch.bfloat16 if gpu else torch.float32
 

@@ -37,6 +37,40 @@ def test_cp1_catches_a_wrong_backend(monkeypatch):
         self_test(None, dtype=torch.float64, backend="reference")
 
 
+def _broken_rope_args(monkeypatch):
+    """plan.rope_args() of both plan kinds giving wrong positions (every one halved): what the
+    trainers' RoPE would then rotate by; the self-test must see it."""
+    from cp_rope.parallel import CPAttentionPlan, PerDocumentPlan
+
+    for cls in (CPAttentionPlan, PerDocumentPlan):
+        real = cls.rope_args
+
+        def broken(self, real=real):
+            args = real(self)
+            return {**args, "position_ids": args["position_ids"] // 2}
+
+        monkeypatch.setattr(cls, "rope_args", broken)
+
+
+def test_cp1_windows_and_sinks_pass():
+    """A full and a windowed layer (W = 4, below the long documents) with sink logits: the
+    plan's for_window and sinks against float64 per-document attention."""
+    res = self_test(None, dtype=torch.float64, backend="reference", window=[None, 4], sinks=True)
+    assert set(res.errors) == {"loss", "output", "dq", "dk", "dv", "dW", "dsinks"}
+    assert max(res.errors.values()) <= 1e-9, res.errors
+
+
+@pytest.mark.parametrize("placement", ["zigzag", "per_document"])
+def test_cp1_catches_a_broken_rope_args(monkeypatch, placement):
+    """The self-test runs the trainers' path (attention_plan -> plan.rope_args() -> the door
+    with plan=): wrong positions from rope_args fail it."""
+    assert max(self_test(None, dtype=torch.float64, backend="reference",
+                         placement=placement).errors.values()) <= 1e-9
+    _broken_rope_args(monkeypatch)
+    with pytest.raises(SelfTestError, match=r"(output|dq|dk) differs from the unsharded"):
+        self_test(None, dtype=torch.float64, backend="reference", placement=placement)
+
+
 def _body(rank, world):
     group = dist.group.WORLD
     kw = dict(dtype=torch.float64, backend="reference", head_dim=16)
@@ -48,6 +82,10 @@ def _body(rank, world):
             assert max(res.errors.values()) <= 1e-9, (placement, method, res.errors)
     elapsed = time.perf_counter() - t0
     assert elapsed < 5 * 6, elapsed  # <= 5 s per self-test on 2 CPU ranks
+    for placement in ("zigzag", "per_document"):  # a windowed layer and sinks at cp 2
+        res = self_test(group, method="ring", placement=placement, window=[None, 4], sinks=True,
+                        split_threshold=8 if placement == "per_document" else None, **kw)
+        assert max(res.errors.values()) <= 1e-9 and "dsinks" in res.errors, res.errors
 
     def fails(match, **over):
         args = {**kw, **over}
@@ -79,6 +117,13 @@ def _body(rank, world):
         assert "placement=zigzag" in msg and "method=ring" in msg
     finally:
         _blocks._Reference.forward = real
+    # a broken plan.rope_args (the trainers' RoPE positions)
+    patch = pytest.MonkeyPatch()
+    try:
+        _broken_rope_args(patch)
+        fails("differs from the unsharded computation")
+    finally:
+        patch.undo()
 
 
 def test_two_ranks_pass_and_catch_misconfigurations():

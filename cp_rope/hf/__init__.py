@@ -65,6 +65,7 @@ from .patch import (
     patch_model,
     unpatch_model,
 )
+from .plan import attention_plan
 
 _LAZY = {"prepare": "trainer"}  # transformers' Trainer and accelerate load on first use
 
@@ -77,6 +78,6 @@ def __getattr__(name: str):
     return value
 
 
-__all__ = ["prepare", "patch_model", "unpatch_model", "model_inputs", "local_config", "load_causal_lm",
+__all__ = ["prepare", "attention_plan", "patch_model", "unpatch_model", "model_inputs", "local_config", "load_causal_lm",
            "cp_rope_attention", "PackedRope", "CPRopePatch", "SUPPORTED_FAMILIES",
            "ATTN_IMPLEMENTATION", "MIN_TRANSFORMERS", "transformers"]
