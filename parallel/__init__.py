@@ -34,7 +34,7 @@ _EXPORTS = {
     "place_documents": "placement",
     "DocumentPlacement": "placement",
     "default_split_threshold": "placement",
-    "per_document_attention": "per_document",
+    "per_document_attention": "attention",
     "PerDocumentPlan": "per_document",
     # CP attention: one plan per batch, one door
     "attention_plan": "attention",

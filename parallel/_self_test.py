@@ -131,8 +131,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     Args:
         group: the CP process group (None or one rank: cp_size 1). Collective over it.
         method, backend, placement, ulysses_size, split_threshold: the configured CP
-            attention (as :func:`~cp_rope.parallel.context_parallel_attention` /
-            :func:`~cp_rope.parallel.per_document_attention`; ``split_threshold`` None with
+            attention (as :func:`~cp_rope.parallel.context_parallel_attention`, also with a
+            per-document placement; ``split_threshold`` None with
             per_document: :func:`~cp_rope.parallel.default_split_threshold`).
         q_heads, kv_heads, head_dim, dtype, device: the model's attention shapes and compute
             dtype, and this rank's device.
@@ -306,7 +306,9 @@ def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place,
     W = qkvw[3].detach().clone().requires_grad_()
     sk = None if sinks is None else sinks.detach().clone().requires_grad_()
     qr, kr = _rope(q, k, cos, sin, **plan.rope_args())
-    out = sum(context_parallel_attention(qr, kr, v, plan=plan, window=w, sinks=sk)
+    # plan.for_window(w), not window=w: with a plan, window=None means the plan's own window
+    # (its first), not a full layer's
+    out = sum(context_parallel_attention(qr, kr, v, plan=plan.for_window(w), sinks=sk)
               for w in windows)
     logits = out.reshape(out.shape[0], -1).to(W.dtype) @ W
     loss = cp_cross_entropy(logits, local.labels.to(device), group)

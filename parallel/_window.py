@@ -298,7 +298,9 @@ def window_ring_schedule(lay: Layout):
         steps.append(WindowStep(blocks, _index(sends, lay.device), sum(b - a for a, b in sends),
                                 _index(spans, lay.device), n_recv))
     terms = sum(len(s.blocks) for s in steps)
-    return {"window": tuple(steps)}, {}, max(terms, 3)
+    # one block (cp 1: whole documents): its output is the result, in the input dtype, as
+    # the plain ring's at cp 1; otherwise fp32 accumulators
+    return {"window": tuple(steps)}, {}, 1 if C == 1 and terms == 1 else max(terms, 3)
 
 
 def window_ring_rows(cu, cp_size: int, cp_rank: int, window: int) -> tuple[int, int] | None:

@@ -76,7 +76,9 @@ def window_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks
     steps, dev = plan.blocks["window"], q.device
     grad_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     dq = Rows(q.shape, _accumulate.acc_dtype(q.dtype, plan.terms, be), dev)
-    dk, dv = Rows(k.shape, grad_dtype, dev), Rows(v.shape, grad_dtype, dev)
+    # one step (cp 1): nothing comes back, dK/dV are the blocks' sum as dq is
+    home = _accumulate.acc_dtype(q.dtype, plan.terms, be) if len(steps) == 1 else grad_dtype
+    dk, dv = Rows(k.shape, home, dev), Rows(v.shape, home, dev)
     lse_b = be.prepare_lse(lse)
     ex = _Steps(group, steps, k, v)
     home = None  # (exchange, step) of the dK/dV on their way back to us

@@ -25,6 +25,8 @@ tensor) and, with ``C > 1``, all-gathers the ranks' signatures.
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 
@@ -36,11 +38,12 @@ from ._dispatch import run_plan
 from ._window import check_sinks
 from .batch import PackedBatch
 from .choices import AUTO, PLACEMENTS, Backend, Method
-from .per_document import PerDocumentPlan, per_document_attention
+from .per_document import PerDocumentPlan, check_per_document_rows, run_per_document
 from .placement import DocumentPlacement, check_group_size
 from .plan import CPAttentionPlan, check_across_ranks, check_softmax_scale, check_tensors
 
-__all__ = ["context_parallel_attention", "attention_plan", "CPAttentionPlan", "PerDocumentPlan"]
+__all__ = ["context_parallel_attention", "attention_plan", "per_document_attention",
+           "CPAttentionPlan", "PerDocumentPlan"]
 
 
 def attention_plan(
@@ -65,6 +68,7 @@ def attention_plan(
     window: int | None | list = None,
     sinks: bool = False,
     _check=None,
+    _extra_sig=None,
 ) -> CPAttentionPlan | PerDocumentPlan:
     """The attention plan of one batch, for every layer of a step (collective over ``group``).
 
@@ -146,7 +150,8 @@ def attention_plan(
     if laid == "per_document":
         plan = PerDocumentPlan.build(kw.pop("placement"), **kw, **common)
     else:
-        plan = CPAttentionPlan.build(kw.pop("cu_seqlens"), kw.pop("max_seqlen"), **kw, **common)
+        plan = CPAttentionPlan.build(kw.pop("cu_seqlens"), kw.pop("max_seqlen"), **kw, **common,
+                                     _extra_sig=_extra_sig)
     plan.rope_args()  # the positions, once per batch
     return plan
 
@@ -231,7 +236,8 @@ def context_parallel_attention(
     Dispatches on the plan's kind: a :class:`CPAttentionPlan` (zigzag layout) or a
     :class:`~cp_rope.parallel.PerDocumentPlan` (per-document placement); without a plan,
     ``placement=`` (a DocumentPlacement) selects the per-document path, else zigzag with
-    ``cu_seqlens`` / ``max_seqlen``, and the call builds the plan itself (collective).
+    ``cu_seqlens`` / ``max_seqlen``, and the call builds the plan itself by
+    :func:`attention_plan` (collective; every argument it takes, ``method="auto"`` too).
     With ``plan``, every argument left None is the plan's; one given must equal it.
 
     Args:
@@ -249,7 +255,8 @@ def context_parallel_attention(
             every query sees every (real) key of its sequence (None: the plan's, or True).
         softmax_scale: default the plan's, or ``1 / sqrt(D)``; part of the ranks'
             agreement (ranks passing different scales raise).
-        method: None (the plan's, or ``"ring"``), ``"ring"``, ``"allgather"``, ``"ulysses"`` or ``"hybrid"`` (see
+        method: None (the plan's, or ``"ring"``), ``"ring"``, ``"allgather"``, ``"ulysses"``,
+            ``"hybrid"`` or, without ``plan``, ``"auto"`` (:func:`attention_plan` decides; see
             "Choosing the method" below and :mod:`cp_rope.parallel.ulysses`).
         backend: None (the plan's, or ``"auto"``), ``"auto"``, ``"cudnn"``, ``"flash_attn"``, ``"torch_flash"``,
             ``"torch_cudnn"`` or ``"reference"``. Support (else ValueError with
@@ -333,16 +340,13 @@ def context_parallel_attention(
             only) makes the exchange raise a RuntimeError naming these causes after
             the group's timeout.
     """
-    if isinstance(plan, PerDocumentPlan) or (plan is None and placement is not None):
-        return per_document_attention(
-            q, k, v, cu_seqlens, max_seqlen, placement=placement, plan=plan, group=group,
-            causal=causal, softmax_scale=softmax_scale, method=method, backend=backend,
-            seq_lens=seq_lens, ulysses_size=ulysses_size, return_lse=return_lse,
-            window=window, sinks=sinks)
-    if placement is not None:
-        raise ValueError("plan: a zigzag CPAttentionPlan with placement= (pass one or the other)")
-    if plan is None:
+    if plan is None:  # the one place a plan is born: attention_plan, with the call's checks
         def check():  # inside the build's agreement: one rank's error reaches every rank
+            if placement is not None:
+                check_per_document_rows(q, k, v, placement, group, cu_seqlens, max_seqlen,
+                                        sinks, return_lse)
+                check_softmax_scale(softmax_scale)
+                return
             check_tensors(q, k, v)
             check_bool("return_lse", return_lse)
             check_cu_seqlens(cu_seqlens, device=q.device)
@@ -353,17 +357,21 @@ def context_parallel_attention(
                         windowed=window is not None)
 
         ok = check_tensors(q, k, v, raise_=False)
-        plan = CPAttentionPlan.build(
-            cu_seqlens, max_seqlen, q_heads=q.shape[1] if ok else 1,
+        plan = attention_plan(
+            cu_seqlens if placement is None else placement,
+            max_seqlen if placement is None else None, q_heads=q.shape[1] if ok else 1,
             kv_heads=k.shape[1] if ok else 1, head_dim=q.shape[2] if ok else 1,
             dtype=q.dtype if ok else torch.float32, device=q.device if ok else "cpu",
-            n_tokens=q.shape[0] if ok else None, group=group,
-            causal=True if causal is None else causal, method=method or "ring",
-            seq_lens=seq_lens, ulysses_size=ulysses_size, softmax_scale=softmax_scale,
-            window=window, sinks=sinks is not None, _check=check,
-            _extra_sig={"backend": backend or "auto", **_sinks_sig(sinks)})
-        be = get_backend(backend or "auto", q, plan.n_seqs, windowed=plan.windowed)
-    elif not isinstance(plan, CPAttentionPlan):
+            n_tokens=q.shape[0] if ok else None, group=group, method=method or "ring",
+            causal=True if causal is None else causal, seq_lens=seq_lens,
+            ulysses_size=ulysses_size, softmax_scale=softmax_scale,
+            # zigzag: the call's backend is agreed, resolved per call (registered test
+            # backends too); per-document: fixed in the plan, as the placement path always did
+            backend=backend if placement is not None else None,
+            _extra_sig=None if placement is not None else {"backend": backend or "auto",
+                                                            **_sinks_sig(sinks)},
+            window=window, sinks=sinks is not None, _check=check)
+    elif not isinstance(plan, (CPAttentionPlan, PerDocumentPlan)):
         raise TypeError(f"plan must be a CPAttentionPlan or PerDocumentPlan, got "
                         f"{type(plan).__name__}")
     else:
@@ -373,13 +381,40 @@ def context_parallel_attention(
         if window is not None:
             plan = plan.for_window(window)
         check_sinks(sinks, q)
-        plan.check_call(q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
-                        ulysses_size, softmax_scale, backend, sinks)
-        be = get_backend(backend or plan.backend or "auto", q, plan.n_seqs,
-                         windowed=plan.windowed)
+        if isinstance(plan, PerDocumentPlan):
+            plan.check_call(q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
+                            seq_lens, ulysses_size, softmax_scale, backend, sinks)
+        elif placement is not None:
+            raise ValueError("plan: a zigzag CPAttentionPlan with placement= (pass one or the "
+                             "other)")
+        else:
+            plan.check_call(q, k, cu_seqlens, max_seqlen, group, causal, method, seq_lens,
+                            ulysses_size, softmax_scale, backend, sinks)
     scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
+    backend = backend or plan.backend or "auto"
+    if isinstance(plan, PerDocumentPlan):
+        return run_per_document(q, k, v, plan, scale, backend, sinks, return_lse)
+    be = get_backend(backend, q, plan.n_seqs, windowed=plan.windowed)
     out, lse = run_plan(q, k, v, plan, be, scale, sinks)
     return (out, lse) if return_lse else out
+
+
+def per_document_attention(q, k, v, cu_seqlens=None, max_seqlen=None, *, placement=None,
+                           plan=None, **kwargs):
+    """Deprecated alias of :func:`context_parallel_attention` for per-document shards
+    (``placement=batch.placement`` or ``plan=`` a PerDocumentPlan): the same arguments,
+    result and errors; warns DeprecationWarning. Without either raises ValueError naming
+    ``placement``."""
+    warnings.warn("per_document_attention is deprecated: call context_parallel_attention(q, k, "
+                  "v, placement=batch.placement) or (q, k, v, plan=plan): the one door",
+                  DeprecationWarning, stacklevel=2)
+    if plan is None and placement is None:
+        raise ValueError("placement: pass the batch's placement (batch.placement) or a plan")
+    if plan is not None and not isinstance(plan, PerDocumentPlan):
+        raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
+                        f"{type(plan).__name__}")
+    return context_parallel_attention(q, k, v, cu_seqlens, max_seqlen, placement=placement,
+                                      plan=plan, **kwargs)
 
 
 def _sinks_sig(sinks) -> dict:

@@ -30,7 +30,7 @@ The model (times in seconds, one rank, one layer, forward + backward):
   ``internode_gbps`` (hybrid keeps its all-to-all of U <= node_size ranks inside a node).
 * **placement** -- per-document: :func:`~cp_rope.parallel.place_documents` gives each rank
   its whole documents (one local causal call) and the split documents run the method
-  first (:func:`~cp_rope.parallel.per_document_attention`'s order); the step time is the
+  first (the per-document executor's order); the step time is the
   slowest rank's.
 
 Validation against every measured row of ``docs/benchmarks.md``:

@@ -127,7 +127,7 @@ def _agree(name: str, group, error: BaseException | None, device, values: list,
 def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
                      group: dist.ProcessGroup | None = None, *,
                      ignore_index: int = -100, cu_seqlens: torch.Tensor | None = None,
-                     ) -> torch.Tensor:
+                     softcap: float | None = None) -> torch.Tensor:
     """Mean next-token cross-entropy over every non-ignored label of ``group``.
 
     Args:
@@ -145,6 +145,8 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
             dtype and shape always, content for CPU tensors or with
             ``CP_ROPE_DEBUG=1``) and must end at most at ``T``, which catches
             logits or labels of another batch.
+        softcap: final logit soft-capping: the CE of ``softcap * tanh(logits / softcap)``
+            (Gemma 2's ``final_logit_softcapping``, in the compute dtype), > 0, or None.
 
     Returns:
         0-dim tensor in the compute dtype: the same value on every rank of
@@ -168,18 +170,30 @@ def cp_cross_entropy(logits: torch.Tensor, labels: torch.Tensor,
     error = None
     try:
         ignore_index = check_inputs("logits", logits, labels, ignore_index, cu_seqlens)
+        _check_softcap(softcap)
     except (TypeError, ValueError) as exc:  # every rank learns of it (_agree), none waits
         error = exc
     if error is not None:
         device = logits.device if isinstance(logits, torch.Tensor) else _device_of(group)
-        _agree("cp_cross_entropy", group, error, device, [0.0, 0.0], {"V": 0, "ignore_index": 0})
+        _agree("cp_cross_entropy", group, error, device, [0.0, 0.0],
+               {"V": 0, "ignore_index": 0, "softcap (0: none)": 0.0})
     compute_dtype = torch.promote_types(logits.dtype, torch.float32)
-    local_sum = F.cross_entropy(logits.to(compute_dtype), labels.long(), ignore_index=ignore_index,
-                                reduction="sum")
+    z = logits.to(compute_dtype)
+    if softcap is not None:  # Gemma 2: logits = softcap * tanh(logits / softcap)
+        z = softcap * torch.tanh(z / softcap)
+    local_sum = F.cross_entropy(z, labels.long(), ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum()
     stats = _agree("cp_cross_entropy", group, None, logits.device, [local_sum, count],
-                   {"V (logits.shape[1])": logits.shape[1], "ignore_index": ignore_index})
+                   {"V (logits.shape[1])": logits.shape[1], "ignore_index": ignore_index,
+                    "softcap (0: none)": 0.0 if softcap is None else float(softcap)})
     return _group_mean(local_sum, stats[0], stats[1])
+
+
+def _check_softcap(softcap) -> None:
+    """ValueError naming ``softcap`` unless it is None or a finite number > 0."""
+    if softcap is not None and (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+                                or not math.isfinite(softcap) or softcap <= 0):
+        raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
 
 
 def _device_of(group) -> torch.device:
@@ -406,9 +420,7 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
         elif int(chunk_size) < 1:
             raise ValueError(f"chunk_size={chunk_size}: must be >= 1 token per chunk "
                              "(--loss-chunk-size; 0 there = automatic)")
-        if softcap is not None and not (isinstance(softcap, (int, float)) and math.isfinite(softcap)
-                                        and softcap > 0):
-            raise ValueError(f"softcap={softcap!r}: must be a finite number > 0, or None")
+        _check_softcap(softcap)
         impl = loss_impl(impl, hidden, given_chunk, weight)
     except (TypeError, ValueError) as exc:
         error = exc

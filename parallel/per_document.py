@@ -2,8 +2,9 @@
 
 A per-document shard holds, in this order, the zigzag shares of the *split*
 documents (the same local lengths on every rank), the rank's *whole* documents,
-then trailing padding. :func:`per_document_attention` runs the split prefix with
-:func:`~cp_rope.parallel.context_parallel_attention` over the CP group (ring,
+then trailing padding. The door, :func:`~cp_rope.parallel.context_parallel_attention`,
+given a :class:`PerDocumentPlan` (:func:`run_per_document`), runs the split prefix with
+the plan's method over the CP group (ring,
 all-gather, ...: any method) and the rest as plain local attention with the same
 block backend (a one-rank plan: no communication), then concatenates the two
 results. Both parts are exact, so the result equals single-process attention
@@ -47,7 +48,7 @@ from .plan import (
 )
 from .ulysses import check_ulysses_args
 
-__all__ = ["PerDocumentPlan", "per_document_attention"]
+__all__ = ["PerDocumentPlan", "run_per_document", "check_per_document_rows"]
 
 
 class PerDocumentPlan(FrozenPlan):
@@ -297,96 +298,27 @@ def _check_rows(placement, r, q, cu_seqlens, max_seqlen, n_tokens) -> None:
         raise ValueError(f"plan: built for T={n_tokens} rows, got q {tuple(q.shape)}")
 
 
-def per_document_attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    cu_seqlens: torch.Tensor | None = None,
-    max_seqlen: int | None = None,
-    *,
-    placement: DocumentPlacement | None = None,
-    plan: PerDocumentPlan | None = None,
-    group: dist.ProcessGroup | None = None,
-    causal: bool | None = None,
-    softmax_scale: float | None = None,
-    method: str | None = None,
-    backend: str | None = None,
-    seq_lens: torch.Tensor | None = None,
-    ulysses_size: int | None = None,
-    return_lse: bool = False,
-    window: int | None = None,
-    sinks: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """Attention of a per-document shard: equals attention over the global sequences.
+def check_per_document_rows(q, k, v, placement, group, cu_seqlens, max_seqlen, sinks,
+                            return_lse) -> None:
+    """The rank-local checks of a plan-less per-document call (run inside the plan build's
+    agreement, so a rank's bad argument raises on every rank). Raises TypeError / ValueError
+    naming the argument."""
+    check_tensors(q, k, v)
+    check_bool("return_lse", return_lse)
+    if not isinstance(placement, DocumentPlacement):
+        raise TypeError(f"placement must be a DocumentPlacement, got {type(placement).__name__}")
+    multi = group is not None and dist.get_world_size(group) > 1
+    check_group_size(placement, dist.get_world_size(group) if multi else 1)
+    _check_rows(placement, dist.get_rank(group) if multi else 0, q, cu_seqlens, max_seqlen, None)
+    check_sinks(sinks, q)
 
-    Kept for existing callers: the same as
-    ``context_parallel_attention(q, k, v, ..., placement=placement)`` /
-    ``context_parallel_attention(q, k, v, plan=plan)`` with a :class:`PerDocumentPlan`.
 
-    Args:
-        q: ``[T, Hq, D]``, k, v: ``[T, Hkv, D]``: this rank's shard (``T = placement.n_rows``
-            unless the plan says otherwise), as :func:`context_parallel_attention` takes them.
-        cu_seqlens: None, or this rank's local cu_seqlens (``batch.cu_seqlens``; compared
-            with the placement's for CPU tensors).
-        max_seqlen: None, or a host int >= this rank's longest local sequence.
-        placement: the batch's :class:`~cp_rope.parallel.placement.DocumentPlacement`
-            (``batch.placement``); or
-        plan: a :class:`PerDocumentPlan` of the batch (built once, reused by every layer).
-        group: the CP group (size ``placement.cp_size``); with ``plan``: None or the plan's.
-        causal, softmax_scale, method, backend, ulysses_size, return_lse, window, sinks: as
-            :func:`context_parallel_attention` (None: the plan's, or causal, 1/sqrt(D), ring
-            and auto without one); the method (and ``ulysses_size``) runs the split
-            documents, the window applies to both parts.
-        seq_lens: ``causal=False`` only, without ``plan``: int ``[B_r]`` true lengths of
-            the *local* sequences (``batch.seq_lens[placement.seq_ids(r)]``).
-
-    Returns: ``[T, Hq, D]`` (and with ``return_lse`` the LSE ``[Hq, T]``), differentiable;
-    padding rows (from ``placement.n_valid(r)``) are 0 and get gradient 0. A rank holding
-    no document returns zeros.
-
-    Raises: TypeError / ValueError naming the argument (no placement or plan, a plan of
-    another placement, cu_seqlens / max_seqlen / T that do not match it); without a plan
-    these are checked inside the plan build's agreement, so a rank's bad argument raises
-    on every rank; as :func:`context_parallel_attention` for the rest.
-    """
-    if plan is None:
-        if placement is None:
-            raise ValueError("placement: pass the batch's placement (batch.placement) or a plan")
-
-        def check():  # inside the build's agreement: one rank's error reaches every rank
-            check_tensors(q, k, v)
-            check_bool("return_lse", return_lse)
-            if not isinstance(placement, DocumentPlacement):
-                raise TypeError(f"placement must be a DocumentPlacement, got "
-                                f"{type(placement).__name__}")
-            multi = group is not None and dist.get_world_size(group) > 1
-            check_group_size(placement, dist.get_world_size(group) if multi else 1)
-            _check_rows(placement, dist.get_rank(group) if multi else 0, q, cu_seqlens,
-                        max_seqlen, None)
-            check_sinks(sinks, q)
-
-        ok = check_tensors(q, k, v, raise_=False)
-        plan = PerDocumentPlan.build(
-            placement, q_heads=q.shape[1] if ok else 1, kv_heads=k.shape[1] if ok else 1,
-            head_dim=q.shape[2] if ok else 1, dtype=q.dtype if ok else torch.float32,
-            device=q.device if ok else "cpu", n_tokens=q.shape[0] if ok else None, group=group,
-            causal=True if causal is None else causal, method=method or "ring",
-            seq_lens=seq_lens, ulysses_size=ulysses_size, softmax_scale=softmax_scale,
-            backend=backend, window=window, sinks=sinks is not None, _check=check)
-    elif not isinstance(plan, PerDocumentPlan):
-        raise TypeError(f"plan: a per-document shard needs a PerDocumentPlan, got "
-                        f"{type(plan).__name__}")
-    else:
-        check_tensors(q, k, v)
-        check_bool("return_lse", return_lse)
-        softmax_scale = check_softmax_scale(softmax_scale)
-        if window is not None:
-            plan = plan.for_window(window)
-        check_sinks(sinks, q)
-        plan.check_call(q, k, cu_seqlens, max_seqlen, placement, group, causal, method,
-                        seq_lens, ulysses_size, softmax_scale, backend, sinks)
-    scale = softmax_scale or plan.softmax_scale or q.shape[-1] ** -0.5
-    backend = backend or plan.backend or "auto"
+def run_per_document(q, k, v, plan: PerDocumentPlan, scale: float, backend: str, sinks,
+                     return_lse: bool):
+    """The executor of a :class:`PerDocumentPlan` (the door,
+    :func:`~cp_rope.parallel.context_parallel_attention`, checked the call): the split
+    documents by the plan's method over the group, the whole ones locally, concatenated.
+    Returns ``out`` or ``(out, lse)``."""
     ns, n_whole = plan.split_rows, plan.n_tokens - plan.split_rows
     if plan.split is not None and n_whole:  # both parts: views whose grads are concatenated
         (qs, qw), (ks, kw_), (vs, vw) = (_SplitRows.apply(t, ns) for t in (q, k, v))

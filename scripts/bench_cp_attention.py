@@ -78,7 +78,6 @@ from cp_rope.parallel import (
     PerDocumentPlan,
     context_parallel_attention,
     default_split_threshold,
-    per_document_attention,
     place_documents,
 )
 from cp_rope.parallel._blocks import backend_unavailable, get_backend
@@ -215,9 +214,9 @@ def bench_ours(args, plan, backend, device, seed=0):
 
 
 def bench_per_document(args, plan, device, seed=0):
-    """(fwd, fwd+bwd, peak) of per_document_attention with a prebuilt PerDocumentPlan."""
+    """(fwd, fwd+bwd, peak) of the door with a prebuilt PerDocumentPlan."""
     q, k, v, dout = make_qkv(args, plan.n_tokens, device, seed)
-    run = lambda: per_document_attention(q, k, v, plan=plan, group=plan.group)
+    run = lambda: context_parallel_attention(q, k, v, plan=plan, group=plan.group)
     return measure(args, run, (q, k, v), dout)
 
 
@@ -347,7 +346,7 @@ def run_one_gpu(args, device):
                             doc, r, q_heads=args.heads, kv_heads=args.kv_heads,
                             head_dim=args.head_dim, dtype=torch.bfloat16, device=device)
                         q, k, v, dout = make_qkv(args, plan_r.n_tokens, device, seed=r)
-                        run = lambda p=plan_r, q=q, k=k, v=v, be=backend: per_document_attention(
+                        run = lambda p=plan_r, q=q, k=k, v=v, be=backend: context_parallel_attention(
                             q, k, v, plan=p, backend=be)
                         times.append(measure(args, run, (q, k, v), dout)[:2])
                     torch.cuda.empty_cache()

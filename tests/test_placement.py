@@ -307,8 +307,7 @@ def _cases(cp):
 
 
 def _attention_case(rank, group, cp, lengths, threshold, causal, method, seed, reuse_plan):
-    from cp_rope.parallel import unshard
-    from cp_rope.parallel.per_document import PerDocumentPlan, per_document_attention
+    from cp_rope.parallel import PerDocumentPlan, per_document_attention, unshard
 
     gen = torch.Generator().manual_seed(seed)
     true = torch.tensor(lengths, dtype=torch.int64)

@@ -107,7 +107,7 @@ def test_ring_cp2_window_simulated_fa4_equals_reference(method):
     """Each rank of cp 2 (loopback exchanges: the rank's blocks against its own K/V), W
     below and above the chunk, sinks: fa4 against the reference backend on the same plan."""
     gen = torch.Generator(device="cuda").manual_seed(7)
-    local = torch.tensor([0, 300, 301, 301, 340, 600], dtype=torch.int32)
+    local = torch.tensor([0, 300, 302, 302, 340, 600], dtype=torch.int32)  # even: 2 chunks
     n = int(local[-1])
     for W in (5, 100, 400):
         for r in range(2):

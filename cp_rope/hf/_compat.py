@@ -37,6 +37,9 @@ from transformers import (  # noqa: E402
     AutoModelForCausalLM,
     PreTrainedModel,
 )
+from transformers.models.gemma2 import modeling_gemma2  # noqa: E402
+from transformers.models.gemma3 import modeling_gemma3  # noqa: E402
+from transformers.models.gpt_oss import modeling_gpt_oss  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 from transformers.models.mistral import modeling_mistral  # noqa: E402
 from transformers.models.mixtral import modeling_mixtral  # noqa: E402
@@ -55,6 +58,12 @@ FAMILIES = {
     # mixtures of experts: the MoE block is transformers' own (cp_rope.hf.moe: the router loss)
     "qwen3_moe": (modeling_qwen3_moe, "Qwen3MoeAttention", "Qwen3MoeRotaryEmbedding"),
     "mixtral": (modeling_mixtral, "MixtralAttention", "MixtralRotaryEmbedding"),
+    # windows per layer type, sinks, YaRN, a mixture of experts (cp_rope.hf.families)
+    "gpt_oss": (modeling_gpt_oss, "GptOssAttention", "GptOssRotaryEmbedding"),
+    # local / global layers, query pre-scaling, sandwich norms, scaled embedding; Gemma 3:
+    # a RoPE base per layer type and q/k norms (cp_rope.hf.families)
+    "gemma2": (modeling_gemma2, "Gemma2Attention", "Gemma2RotaryEmbedding"),
+    "gemma3_text": (modeling_gemma3, "Gemma3Attention", "Gemma3RotaryEmbedding"),
 }
 SUPPORTED_FAMILIES = tuple(FAMILIES)
 

@@ -20,6 +20,9 @@ _WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_m
                  "pytorch_model.bin.index.json")
 
 
+# families transformers runs without SDPA (sinks, attention soft-capping): eager until patched
+_NO_SDPA = ("gemma2", "gpt_oss")
+
 # output_loading_info keys that mean the checkpoint and its config disagree
 _LOAD_PROBLEMS = ("missing_keys", "unexpected_keys", "mismatched_keys", "error_msgs")
 
@@ -62,17 +65,19 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32,
         seed: seeds ``torch`` before a random init (a config without weights).
 
     Returns: ``(model on the CPU, True if weights were loaded / False if initialised
-    from the config)``; attention implementation ``"sdpa"`` until :func:`patch_model`.
+    from the config)``; attention implementation ``"sdpa"`` until :func:`patch_model`
+    (``"eager"`` for Gemma 2 and GPT-OSS, which transformers runs without SDPA).
 
     Raises: ValueError as :func:`local_config`, and naming ``model`` for weight files that
     cannot be read (truncated, corrupt) or that do not match ``config.json`` (missing,
     unexpected or mismatched tensors).
     """
     config = local_config(path)
+    attn = "eager" if config.model_type in _NO_SDPA else "sdpa"
     if any(os.path.isfile(os.path.join(path, f)) for f in _WEIGHT_FILES):
         try:
             model = AutoModelForCausalLM.from_pretrained(
-                path, local_files_only=True, dtype=dtype, attn_implementation="sdpa",
+                path, local_files_only=True, dtype=dtype, attn_implementation=attn,
                 output_loading_info=True)
         except Exception as exc:  # truncated / corrupt weight files, shapes that disagree
             raise ValueError(f"model={path!r}: its weights cannot be loaded "
@@ -86,5 +91,5 @@ def load_causal_lm(path: str, *, dtype: torch.dtype = torch.float32,
                              f"({detail}); a partly random model would train silently")
         return model, True
     torch.manual_seed(seed)
-    config._attn_implementation = "sdpa"
+    config._attn_implementation = attn
     return AutoModelForCausalLM.from_config(config, dtype=dtype), False

@@ -3,16 +3,13 @@ dispatcher and model_inputs (see :mod:`cp_rope.hf`)."""
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from cp_rope.cache import inv_freq as _cp_inv_freq
 from cp_rope.cache import rope_cache
-from cp_rope.ops import apply_rotary_emb_qk
 from cp_rope.parallel import PackedBatch, context_parallel_attention
 from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS
 from cp_rope.parallel.plan import group_position
@@ -26,8 +23,10 @@ from cp_rope.validation import (
 
 from ._compat import FAMILIES, SUPPORTED_FAMILIES, AttentionInterface, PreTrainedModel
 from ._forward import check_forward
+from .families import check_family
 from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
 from .plan import build_plan, check_passed_plan, check_rope_length
+from .rope import PackedRope, check_rope, install_rope_dispatcher, packed_rope
 from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
 from .window import layer_windows
 
@@ -51,9 +50,10 @@ class CPRopePatch:
     backend: str
     rope_kernel: bool
     ulysses_size: int | None = None
-    scaling: dict | None = None  # the config's rope dict (rope_kernel)
+    scaling: dict | None = None  # the config's flat rope dict (rope_kernel=False: dynamic)
+    scalings: dict = field(default_factory=dict)  # rope_kernel: key -> dict (cp_rope.hf.rope)
     rotary_dim: int = 0
-    _tables: dict = field(default_factory=dict)  # device -> (cos, sin), float32
+    _tables: dict = field(default_factory=dict)  # (device, key) -> (cos, sin), float32
     _current: object | None = None  # the attention plan of the forward in flight
     shape: tuple = (0, 0, 0)  # (q heads, kv heads, head_dim) of the attention layers
     scale: float = 1.0  # their softmax scale (the layers' ``scaling``)
@@ -65,65 +65,24 @@ class CPRopePatch:
     # global sequence for which the model's own rotary embedding is still the default one
     _static_rope_len: int | None = None
 
-    def tables(self, device: torch.device, n_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 cos/sin ``[P, rotary_dim // 2]`` on ``device``, ``P >= n_positions``."""
-        cached = self._tables.get(device)
+    def tables(self, device: torch.device, n_positions: int,
+               key: str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 cos/sin ``[P, rotary_dim // 2]`` on ``device``, ``P >= n_positions``, of the
+        rope dict ``key`` (None: the flat one; Gemma 3: the layer type)."""
+        cached = self._tables.get((device, key))
         if cached is None or cached[0].shape[0] < n_positions:
             size = 1 << max(n_positions - 1, 1).bit_length()  # grow by powers of two
-            self._tables[device] = rope_cache(size, self.rotary_dim, scaling=self.scaling,
-                                              device=device)
-        return self._tables[device]
-
-
-class PackedRope:
-    """Stands in for ``(cos, sin)`` inside a patched model: the family's swapped
-    ``apply_rotary_pos_emb`` applies cp_rope's kernel with it.
-
-    Fields: float32 tables ``[P, rotary_dim // 2]`` and ``rope_args``, the batch's plan's
-    :meth:`~cp_rope.parallel.CPAttentionPlan.rope_args` (local ``cu_seqlens``, per-token
-    global ``position_ids``, ``max_position_id``: built once per batch).
-    Deliberately not a dataclass: FSDP2's mixed precision casts the floating
-    tensors inside dataclass arguments to bf16, and the tables must stay float32.
-    """
-
-    __slots__ = ("cos", "sin", "rope_args")
-
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, rope_args: dict) -> None:
-        self.cos, self.sin, self.rope_args = cos, sin, rope_args
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """q ``[1, Hq, T, D]``, k ``[1, Hkv, T, D]`` (transformers' layout) -> the same, rotated."""
-        if q.dim() != 4 or q.shape[0] != 1:
-            raise ValueError(f"q: a patched model runs packed rows [1, H, T, D]; got {tuple(q.shape)}")
-        out_q, out_k = apply_rotary_emb_qk(
-            q[0].transpose(0, 1), k[0].transpose(0, 1), self.cos, self.sin, **self.rope_args)
-        return out_q.transpose(0, 1).unsqueeze(0), out_k.transpose(0, 1).unsqueeze(0)
-
-
-def _rope_dispatcher(original):
-    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1, *args, **kwargs):
-        if isinstance(cos, PackedRope):
-            if unsqueeze_dim != 1 or args or kwargs:
-                raise ValueError("cp_rope.hf's RoPE kernel expects transformers' [B, H, T, D] "
-                                 f"q/k (unsqueeze_dim=1); got unsqueeze_dim={unsqueeze_dim}")
-            return cos.apply(q, k)
-        return original(q, k, cos, sin, unsqueeze_dim, *args, **kwargs)
-
-    apply_rotary_pos_emb.cp_rope_original = original
-    apply_rotary_pos_emb.__doc__ = original.__doc__
-    return apply_rotary_pos_emb
-
-
-def _install_rope_dispatcher(module) -> None:
-    if not hasattr(module.apply_rotary_pos_emb, "cp_rope_original"):
-        module.apply_rotary_pos_emb = _rope_dispatcher(module.apply_rotary_pos_emb)
+            self._tables[(device, key)] = rope_cache(size, self.rotary_dim,
+                                                     scaling=self.scalings[key], device=device)
+        return self._tables[(device, key)]
 
 
 # --------------------------------------------------------------------------- attention
 def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
                       value: torch.Tensor, attention_mask: torch.Tensor | None, *,
                       scaling: float | None = None, dropout: float = 0.0,
-                      sliding_window: int | None = None, **kwargs):
+                      sliding_window: int | None = None, softcap: float | None = None,
+                      **kwargs):
     """transformers attention function ``"cp_rope"``.
 
     Args (transformers' interface): query ``[1, Hq, T, D]``, key/value
@@ -137,7 +96,9 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
 
     Raises: RuntimeError on a model :func:`patch_model` did not patch;
     ValueError without ``cu_seq_lens_q``, with a batch dim other than 1, a 4-D
-    attention mask, or dropout (``sliding_window``, the layer's W, picks ``plan.for_window``).
+    attention mask, dropout, or an attention-logit ``softcap`` (Gemma 2's; refused at
+    patch_model, checked again here) (``sliding_window``, the layer's W, picks
+    ``plan.for_window``; ``s_aux``, GPT-OSS's sinks, goes to the attention as ``sinks``).
     """
     patch = getattr(module, "cp_rope_patch", None)
     if patch is None:
@@ -156,6 +117,9 @@ def cp_rope_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor,
     if dropout:
         raise ValueError(f"dropout={dropout}: CP attention has no attention dropout; set "
                          "config.attention_dropout = 0")
+    if softcap is not None:
+        raise ValueError(f"softcap={softcap}: CP attention has no attention-logit soft-capping "
+                         "(config.attn_logit_softcapping: patch_model refuses it)")
     plan = kwargs.get("cp_rope_plan")
     if plan is None:
         raise ValueError("cp_rope_plan missing: the patched decoder builds it once per forward; "
@@ -191,45 +155,6 @@ def _family(model) -> tuple:
                          f"(supported: {', '.join(SUPPORTED_FAMILIES)}); its attention and RoPE "
                          "code would need checking before CP can run it")
     return FAMILIES[model_type]
-
-
-def _check_rope(patch: CPRopePatch, rotary: nn.Module, config) -> None:
-    """Fill ``patch.scaling``/``rotary_dim`` and check cp_rope reproduces the model's RoPE."""
-    scaling = getattr(config, "rope_parameters", None)
-    hint = "; pass rope_kernel=False to keep the model's own rotary embedding"
-    if not isinstance(scaling, dict) or "rope_theta" not in scaling:
-        raise ValueError(f"rope_kernel=True: config.rope_parameters {scaling!r} is not one "
-                         f"flat rope dict{hint}")
-    theirs = rotary.inv_freq
-    patch.scaling, patch.rotary_dim = dict(scaling), 2 * theirs.numel()
-    try:
-        ours, scale = _cp_inv_freq(patch.rotary_dim, scaling=patch.scaling)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"rope_kernel=True: {exc}{hint}") from exc
-    if theirs.is_meta:  # not materialised yet (meta-device init): nothing to compare
-        return
-    if theirs.dtype not in (torch.float32, torch.float64):
-        # model.to(torch.bfloat16) / .half() casts the inv_freq buffer too: the model's own
-        # RoPE then rotates by frequencies rounded to that dtype, which cp_rope's exact
-        # tables do not reproduce (nor should: the rounding grows with the position).
-        rounded = torch.equal(ours.to(theirs.dtype), theirs.detach().cpu())
-        raise ValueError(
-            f"rope_kernel=True: the model's {type(rotary).__name__}.inv_freq is {theirs.dtype}"
-            + (", its config's frequencies rounded to that dtype" if rounded else "")
-            + ": the model was cast (model.to(dtype) / .half() / .bfloat16()) after it was "
-            "built, so its own RoPE rotates by rounded frequencies (relative error up to "
-            f"{torch.finfo(theirs.dtype).eps / 2:.1e}, i.e. angles off by that times the "
-            "position) and cp_rope's exact float64-derived tables would not reproduce it. "
-            "Load the model in the low dtype instead (from_pretrained(..., dtype=...) and "
-            "from_config keep inv_freq in float32), or call patch_model before casting"
-            f"{hint}")
-    # transformers' inv_freq is float32: off by up to eps32 * ln(base) relative (pow)
-    rtol = 4 * torch.finfo(torch.float32).eps * (1 + math.log(float(scaling["rope_theta"])))
-    their_scale = float(getattr(rotary, "attention_scaling", 1.0))
-    if (not torch.allclose(ours, theirs.detach().double().cpu(), rtol=rtol, atol=0.0)
-            or abs(scale - their_scale) > 1e-6 * abs(their_scale)):
-        raise ValueError(f"rope_kernel=True: cp_rope.rope_cache does not reproduce this model's "
-                         f"RoPE (rope dict {scaling}){hint}")
 
 
 def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
@@ -301,6 +226,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     patch.shape = (cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
                    or cfg.num_attention_heads, head_dim)
     patch.scale = float(getattr(attns[0], "scaling", head_dim ** -0.5))
+    check_family(model, attns)
     patch.layers = layer_windows(attns, cfg)
     rope = getattr(model.config, "rope_parameters", None) or {}
     if not rope_kernel and rope.get("rope_type") in ("dynamic", "longrope"):
@@ -308,7 +234,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         patch._static_rope_len = int(rope.get("original_max_position_embeddings")
                                      or model.config.max_position_embeddings)
     if rope_kernel:
-        _check_rope(patch, rotaries[0], model.config)
+        patch.scalings, patch.rotary_dim = check_rope(rotaries[0], model.config)
     if mlp_tile_tokens is not None:
         check_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens")
     if fused_norm:
@@ -321,9 +247,10 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     if fused_norm:
         patch._handles.extend(fuse_rms_norms(model, module))
     if rope_kernel:
-        _install_rope_dispatcher(module)
+        install_rope_dispatcher(module)
         patch._handles.append(rotaries[0].register_forward_hook(
-            lambda mod, args, out: _packed_rope(patch, args, out)))
+            lambda mod, args, kwargs, out: packed_rope(patch, args, kwargs, out),
+            with_kwargs=True))
     embed = model.get_input_embeddings()
     for m in attns:
         m.cp_rope_patch = patch
@@ -451,16 +378,6 @@ def _check_positions(patch: CPRopePatch, pos: torch.Tensor, cu: torch.Tensor,
     raise ValueError(f"batch: position_ids are not the zigzag positions of cu_seq_lens_q for "
                      f"cp_size={C}, cp_rank={patch.cp_rank} (a batch sharded for another CP "
                      "size or rank?): use model_inputs(batch) of this rank's PackedBatch")
-
-
-def _packed_rope(patch: CPRopePatch, args, out):
-    plan = patch._current
-    if plan is None:  # called outside the model's forward: leave it alone
-        return out
-    rope_args = plan.rope_args()
-    cos, sin = patch.tables(out[0].device, rope_args["max_position_id"] + 1)
-    rope = PackedRope(cos, sin, rope_args)
-    return rope, rope
 
 
 # --------------------------------------------------------------------------- inputs
