@@ -22,6 +22,7 @@ the patched model alike.
 
 from __future__ import annotations
 
+import copy
 import types
 
 import torch
@@ -79,7 +80,8 @@ def family_config(family: str, **over):
     """A tiny config of ``family`` (random weights come from ``from_config``)."""
     name, kw = {**MOE_FAMILIES, **NEW_FAMILIES}[family]
     transformers.logging.set_verbosity_error()
-    return getattr(transformers, name)(**{**_COMMON, **kw, **over})
+    # a copy: a test that edits the config (its rope_parameters dict) leaves the table alone
+    return getattr(transformers, name)(**copy.deepcopy({**_COMMON, **kw, **over}))
 
 
 def gemma_norm64(self, x):
