@@ -15,6 +15,9 @@ to the input dtype; transformers rounds ``x * rsqrt(...)`` to the input dtype be
 multiplying by ``w`` (a second rounding). The fused form is applied only where both
 are bf16/fp16 (the training case); float32 / float64 inputs (and a weight of another
 dtype than the input) run the model's own forward, bit for bit as unpatched.
+
+Gemma 2 / 3's RMSNorm (an ``eps`` attribute, ``x * (1 + w)`` in float32, rounded once) is
+not replaced: its ``1 + w`` in bf16 would lose the weight's low bits.
 """
 
 from __future__ import annotations
