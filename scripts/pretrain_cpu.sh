@@ -6,7 +6,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-BIN=""
-[ "${CP_ROPE_VENV:-.venv}" = "none" ] || BIN="${CP_ROPE_VENV:-.venv}/bin/"
-exec "${BIN}torchrun" --standalone --nproc-per-node 2 -m cp_rope.launch.pretrain --cp-size 2 \
+# torchrun as a module of the venv's interpreter: a venv made with --system-site-packages
+# over a system torch has no bin/torchrun of its own (and a bare torchrun is another Python)
+PY=python3
+[ "${CP_ROPE_VENV:-.venv}" = "none" ] || PY="${CP_ROPE_VENV:-.venv}/bin/python"
+exec "$PY" -m torch.distributed.run --standalone --nproc-per-node 2 -m cp_rope.launch.pretrain --cp-size 2 \
     --out-dir "runs/pretrain_cpu_$(date -u +%Y%m%d_%H%M%S)" "$@"
