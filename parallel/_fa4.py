@@ -41,6 +41,7 @@ import torch
 
 from . import _compat
 from ._cudnn_thd import CudnnTHD, seq_bound
+from ._device import to_device
 
 __all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "fa4_window", "MIN_BUCKET"]
 
@@ -133,7 +134,7 @@ def _sub_block(blk, cq, ck, keep):
     cu_k = torch.cat([torch.stack([ka, k_mid], 1).flatten(), ck[-1:]]).to(torch.int32)
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     dev = blk.cu_q.device
-    return dataclasses.replace(blk, cu_q=cu_q.to(dev), cu_k=cu_k.to(dev), max_q=int(lq.max()),
+    return dataclasses.replace(blk, cu_q=to_device(cu_q, dev), cu_k=to_device(cu_k, dev), max_q=int(lq.max()),
                                max_k=int(lk.max()), split_q=False, cu_q_host=cu_q,
                                cu_k_host=cu_k)
 
@@ -160,8 +161,8 @@ def split_block(blk, crossover: int) -> SplitBlock:
     else:
         dev = blk.cu_q.device
         got = SplitBlock(_sub_block(blk, cq, ck, ~short), _sub_block(blk, cq, ck, short),
-                         _rows(cq[:-1][short], lq[short]).to(dev),
-                         _rows(ck[:-1][short], lk[short]).to(dev))
+                         to_device(_rows(cq[:-1][short], lq[short]), dev),
+                         to_device(_rows(ck[:-1][short], lk[short]), dev))
     blk.backend_cache[key] = got
     return got
 
