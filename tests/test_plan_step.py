@@ -125,10 +125,15 @@ def test_patched_model_builds_a_plan_only_when_none_is_passed(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_train_step_plans_without_a_device_sync():
+def test_train_step_plans_without_a_device_sync(monkeypatch):
     """pretrain's train_step on CUDA (bf16, activation checkpointing, fused loss): the plan is
     built from the host batch and the batch moved after it; the step, planning included, does
-    no device-to-host read (torch raises on any under sync debug mode "error")."""
+    no device-to-host read (torch raises on any under sync debug mode "error"). cp_rope's own
+    fused loss: Liger's kernel, which ``auto`` takes when it is installed, reads its count of
+    non-ignored targets with ``.item()``."""
+    from cp_rope.parallel import _loss_impl
+
+    monkeypatch.setattr(_loss_impl, "_LIGER", [(None, "off: its kernel syncs (.item())")])
     from cp_rope.launch.config import ModelConfig
     from cp_rope.launch.model import Transformer
     from cp_rope.launch.parallelize import apply_activation_checkpointing
