@@ -134,9 +134,9 @@ def _sub_block(blk, cq, ck, keep):
     cu_k = torch.cat([torch.stack([ka, k_mid], 1).flatten(), ck[-1:]]).to(torch.int32)
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     dev = blk.cu_q.device
-    return dataclasses.replace(blk, cu_q=to_device(cu_q, dev), cu_k=to_device(cu_k, dev), max_q=int(lq.max()),
-                               max_k=int(lk.max()), split_q=False, cu_q_host=cu_q,
-                               cu_k_host=cu_k)
+    return dataclasses.replace(blk, cu_q=to_device(cu_q, dev), cu_k=to_device(cu_k, dev),
+                               max_q=int(lq.max()), max_k=int(lk.max()), split_q=False,
+                               cu_q_host=cu_q, cu_k_host=cu_k)
 
 
 def split_block(blk, crossover: int) -> SplitBlock:
