@@ -18,7 +18,8 @@ Two nodes x 8 GPUs (run on every node; the rendezvous endpoint is node 0)::
         -m cp_rope.launch.finetune_hf --model /shared/Qwen3-8B --data long.jsonl \\
         --cp-size 8 --seq-len 131072 --tokens-per-batch 131072 --out-dir /shared/runs/ft
 
-The model is transformers' own (Llama, Mistral, Qwen2, Qwen3, Phi3), loaded
+The model is transformers' own (one of ``cp_rope.hf.SUPPORTED_FAMILIES``: Llama, Mistral,
+Qwen2, Qwen3, Phi3, Gemma 2 / 3, GPT-OSS, Qwen3-MoE, Mixtral; docs/hf.md), loaded
 from ``--model`` only (``config.json`` plus weights, or a config alone for a
 random init from ``--seed``; never a download), patched by
 :func:`cp_rope.hf.patch_model` (CP attention over the mesh's ``"cp"`` group,
