@@ -13,7 +13,7 @@ import torch
 
 from cp_rope.parallel import calibrate
 from cp_rope.parallel._self_test import self_test
-from cp_rope.parallel.ulysses import check_ulysses_args
+from cp_rope.parallel.cost_model import candidate_methods
 
 from .config import ConfigError, PretrainConfig
 
@@ -43,14 +43,8 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
     if p.cp_self_test != "on" or cp_size == 1 and "auto" not in (p.cp_method, p.cp_placement):
         return
     head_dim = m.dim // m.n_heads
-    if p.cp_method == "auto":  # every method the chooser may pick for these heads
-        methods = []
-        for method in ("ring", "allgather", "ulysses"):
-            try:
-                check_ulysses_args(method, None, cp_size, m.n_heads, m.n_kv_heads)
-                methods.append((method, None))
-            except ValueError:
-                pass
+    if p.cp_method == "auto":  # every (method, U) the chooser may pick for these heads
+        methods = candidate_methods(cp_size, m.n_heads, m.n_kv_heads)
     else:
         methods = [(p.cp_method, p.ulysses_size if p.cp_method == "hybrid" else None)]
     threshold = p.cp_split_threshold
@@ -66,7 +60,7 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
                             window=list(layers[0]), sinks=layers[1])
             worst = max(worst, max(res.errors.values()))
     log(f"cp self-test: passed in {time.perf_counter() - t0:.2f} s ("
-        + ", ".join(m for m, _ in methods) + f"; {', '.join(places)}; cp {cp_size}, "
+        + ", ".join(m if u is None else f"{m}(U={u})" for m, u in methods) + f"; {', '.join(places)}; cp {cp_size}, "
         f"{str(dtype).removeprefix('torch.')}; largest relative difference {worst:.1e})")
 
 

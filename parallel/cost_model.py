@@ -50,11 +50,12 @@ from cp_rope.validation import check_cp_args, check_int
 
 from . import _compat
 from ._calibration import Calibration, active_calibration
-from .choices import BACKEND_CHOICES
+from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
 
-__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_settings", "choose", "predict"]
+__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_methods", "candidate_settings", "choose",
+           "predict"]
 
 _FWD_BWD = 3.5  # fwd + bwd FLOPs / fwd FLOPs (flash-attention's convention)
 _ELEM = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -328,6 +329,36 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     return (max(ms), ms) if per_rank else max(ms)
 
 
+def candidate_methods(cp_size: int, q_heads: int, kv_heads: int,
+                      ulysses_size: int | None = None) -> list[tuple[str, int | None]]:
+    """Every ``(method, ulysses_size)`` that ``method="auto"`` compares, for each entry of
+    :data:`~cp_rope.parallel.choices.METHODS`: ring and allgather; the all-to-all methods at
+    every size U dividing ``cp_size`` and the heads (ulysses: U = cp_size; hybrid: each
+    ``1 < U < cp_size``, or only ``ulysses_size`` if given), by increasing U. The one list of
+    the chooser's methods: the trainers' self-test runs each of them (``launch/cp_startup``).
+
+    Raises: ValueError (``check_ulysses_args``'s message) for a ``ulysses_size`` the heads
+    or ``cp_size`` cannot run.
+    """
+    if ulysses_size is not None:
+        check_ulysses_args("hybrid", ulysses_size, cp_size, q_heads, kv_heads)
+    plain, a2a = [], []
+    for method in METHODS:
+        if method not in A2A_METHODS:
+            plain.append((method, None))
+            continue
+        sizes = ([cp_size] if cp_size > 1 else []) if method == "ulysses" else range(2, cp_size)
+        for u in sizes:
+            if cp_size % u or (ulysses_size is not None and u != ulysses_size):
+                continue
+            try:
+                check_ulysses_args("hybrid", u, cp_size, q_heads, kv_heads)
+            except ValueError:
+                continue
+            a2a.append((u, method))
+    return plain + [(m, None if m == "ulysses" else u) for u, m in sorted(a2a)]
+
+
 def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: int,
                        method: str = "auto", placement: str = "auto",
                        split_threshold: int | None = None,
@@ -349,22 +380,7 @@ def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int,
     C, _ = check_cp_args(cp_size, 0)
     lens = np.diff(cu)
     if method == "auto":
-        if ulysses_size is not None:
-            check_ulysses_args("hybrid", ulysses_size, C, q_heads, kv_heads)
-            methods = [("ring", None), ("allgather", None), ("hybrid", ulysses_size)] \
-                if 1 < ulysses_size < C else [("ring", None), ("allgather", None)]
-            if ulysses_size == C:
-                methods.append(("ulysses", None))
-        else:
-            methods = [("ring", None), ("allgather", None)]
-            for u in range(2, C + 1):
-                if C % u:
-                    continue
-                try:
-                    check_ulysses_args("hybrid", u, C, q_heads, kv_heads)
-                except ValueError:
-                    continue
-                methods.append(("ulysses", None) if u == C else ("hybrid", u))
+        methods = candidate_methods(C, q_heads, kv_heads, ulysses_size)
     else:
         check_ulysses_args(method, ulysses_size, C, q_heads, kv_heads)
         methods = [(method, ulysses_size if method == "hybrid" else None)]
