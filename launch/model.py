@@ -163,7 +163,8 @@ class Transformer(nn.Module):
 
     def configure_attention(self, *, cp_group: dist.ProcessGroup | None = None,
                             cp_method: str = "ring", attn_backend: str = "auto",
-                            rope_backend: str = "auto", ulysses_size: int | None = None) -> None:
+                            rope_backend: str = "auto", ulysses_size: int | None = None,
+                            calibration=None) -> None:
         """How every attention layer runs (no parameters change).
 
         Args:
@@ -173,12 +174,15 @@ class Transformer(nn.Module):
                 context_parallel_attention).
             ulysses_size: ``"hybrid"`` only: ranks per all-to-all group (divides the CP size).
             attn_backend, rope_backend: kernel selection passed through.
+            calibration: the CP cost model's constants
+                (:class:`~cp_rope.parallel.calibrate.Calibration`, None: the shipped
+                defaults), passed to every plan (:meth:`attention_plan`).
         """
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
-        self.ulysses_size = ulysses_size
+        self.ulysses_size, self.calibration = ulysses_size, calibration
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -197,8 +201,8 @@ class Transformer(nn.Module):
                        n_tokens: int | None = None):
         """The attention plan of one batch for this model (collective over the CP group):
         :func:`cp_rope.parallel.attention_plan` with the model's heads, CP group, method,
-        backend and ``ulysses_size``. Call it on the *host* batch before moving it to the
-        device: no device-to-host read.
+        backend, ``ulysses_size`` and calibration (``plan.choice``: what auto picked). Call it
+        on the *host* batch before moving it to the device: no device-to-host read.
 
         Args:
             batch: this rank's PackedBatch shard (or a DocumentPlacement, or local zigzag
@@ -217,7 +221,7 @@ class Transformer(nn.Module):
                               device=weight.device if device is None else device,
                               group=self.cp_group, method=self.cp_method,
                               ulysses_size=self.ulysses_size, backend=self.attn_backend,
-                              n_tokens=n_tokens)
+                              n_tokens=n_tokens, calibration=self.calibration)
 
     def forward(self, input_ids: torch.Tensor, plan, *, labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
