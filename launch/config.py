@@ -23,11 +23,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS
+from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS, LossImpl
 
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
+    "check_loss_impl",
 ]
 
 
@@ -121,6 +122,8 @@ class ParallelConfig:
     """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
     """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path; triton on cpu needs TRITON_INTERPRET=1."""
+    loss_impl: LossImpl = "auto"
+    """The fused loss's kernel (cp_rope.parallel.cp_linear_cross_entropy): torch (cp_rope's chunked loop of loss_chunk_size tokens, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA, its own chunks; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed and no --loss-chunk-size is given, else torch. The run's log names the one used. Same value and gradients up to the compute dtype's rounding."""
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks; auto = on for cuda, off (plain gradient all-reduce) on cpu."""
     timeout_s: int = 600
@@ -339,6 +342,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              "parallel.cp_split_threshold", p.cp_split_threshold,
              f"is for --cp-placement per_document only (this run: {p.cp_placement})")
     check_available(cfg)
+    check_loss_impl(p.loss_impl, fused=m.fused_loss, chunk_size=m.loss_chunk_size,
+                    device=t.device, where="parallel.loss_impl")
     _require(1 <= p.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s", p.timeout_s,
              f"must be in [1, {MAX_TIMEOUT_S}] seconds (7 days; a longer timeout overflows "
              "the process group's timedelta)")
@@ -422,6 +427,33 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     _require(not (t.dtype == "bfloat16" and not on_cuda), "train.dtype", t.dtype,
              "bfloat16 training is for cuda; this run is on cpu (--device "
              f"{t.device}{', no GPU found' if t.device == 'auto' else ''}): use float32 or auto")
+
+
+def check_loss_impl(impl: str, *, fused: bool, chunk_size: int, device: str,
+                    where: str = "parallel.loss_impl") -> None:
+    """``--loss-impl`` against the other loss flags and this machine, before anything runs (both
+    trainers: ``where`` names the field).
+
+    Raises: ConfigError naming ``where``: not ``auto`` with ``--no-fused-loss``; ``liger`` with
+    ``--loss-chunk-size`` (Liger picks its own chunks), on a CPU run, or without liger-kernel
+    installed (the library's own reason, :func:`cp_rope.parallel.loss.liger_missing`).
+    """
+    _require(impl == "auto" or fused, where, impl,
+             "is for the fused loss only (this run: --no-fused-loss)")
+    if impl != "liger":
+        return
+    _require(not chunk_size, f"{where}='liger' with --loss-chunk-size", chunk_size,
+             "Liger picks its own chunks; the chunk size is the torch loop's (--loss-impl torch "
+             "or auto)")
+    import torch
+
+    from cp_rope.parallel.loss import liger_missing
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    _require(not on_cpu, where, impl, "Liger-Kernel's kernels run on CUDA and this run is on "
+             "cpu: use --loss-impl auto (or torch)")
+    _require(liger_missing() is None, where, impl, f"{liger_missing()} (or use --loss-impl "
+             "auto / torch)")
 
 
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {

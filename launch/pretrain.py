@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from cp_rope.parallel.loss import auto_chunk_size, loss_impl
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
@@ -65,7 +66,7 @@ from .stop_flag import StopFlag
 from .tokenizer import prepare_corpora
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
-           "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed"]
+           "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed", "loss_summary"]
 
 
 # ------------------------------------------------------------------ pieces
@@ -74,7 +75,22 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> Transformer:
     every rank); :func:`~cp_rope.launch.parallelize.parallelize` comes next."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
-        return Transformer(cfg.model)
+        return Transformer(cfg.model, loss_impl=cfg.parallel.loss_impl)
+
+
+def loss_summary(cfg: PretrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """What the run's loss runs, for its log at start: ``"fused (liger)"``, ``"fused (torch,
+    chunks of N tokens)"`` or ``"unfused"`` (``--loss-impl`` resolved for this device and
+    compute dtype by the library's own rule, :func:`cp_rope.parallel.loss.loss_impl`)."""
+    m = cfg.model
+    if not m.fused_loss:
+        return "unfused"
+    chunk = m.loss_chunk_size or None
+    # a one-row stand-in for the hidden states (no rows would pick the torch loop)
+    impl = loss_impl(cfg.parallel.loss_impl, torch.empty(1, 1, dtype=dtype, device=device), chunk)
+    if impl == "liger":
+        return "fused (liger)"
+    return f"fused (torch, chunks of {chunk or auto_chunk_size(m.vocab_size)} tokens)"
 
 
 def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, *,
@@ -300,6 +316,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
+    log.write(f"loss: {loss_summary(cfg, device, dtype)} (--loss-impl {cfg.parallel.loss_impl})")
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
                 layers=getattr(model, "attention_layers", ((None,), False)),
                 calibration=calibration)
