@@ -131,7 +131,7 @@ class ParallelConfig:
     cp_self_test: Literal["on", "off"] = "on"
     """Before the first step, check RoPE + CP attention + CP loss on the CP group against the unsharded computation (cp_rope.parallel.self_test, seconds; its time is logged); a misconfiguration fails the run naming the setting."""
     cp_calibration: str | None = None
-    """JSON of the CP cost model's constants for --cp-method auto (python -m cp_rope.parallel.calibrate --out PATH on this machine); None = the shipped H200 numbers."""
+    """JSON of the CP cost model's constants for --cp-method auto / --cp-placement auto and for --attn-backend auto's FA4 / cuDNN crossover (python -m cp_rope.parallel.calibrate --out PATH on this machine), loaded once at start-up and carried by every attention plan; None = the shipped H200 numbers."""
 
 
 @dataclass(kw_only=True, slots=True)
