@@ -264,10 +264,11 @@ def resume_checkpoint(root: str) -> tuple[str | None, list[tuple[str, str]]]:
 # ------------------------------------------------------------------ run identity
 def run_identity(cfg, world_size: int) -> dict:
     """What ties a checkpoint to its run, recorded in its manifest and compared before a load:
-    the :func:`~cp_rope.launch.config.resume_fixed` fields of ``cfg`` (model shapes, data
+    the :func:`~cp_rope.launch.resume_config.resume_fixed` fields of ``cfg`` (model shapes, data
     order, seed, cp_size, optimizer hyper-parameters) as ``"section.field": value``, and the
     world size."""
-    from .config import resume_fixed, to_dict
+    from .config import to_dict
+    from .resume_config import resume_fixed
 
     now = to_dict(cfg)
     ident = {f"{s}.{n}": now[s][n] for s, names in resume_fixed(cfg).items() for n in names}

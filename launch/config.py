@@ -5,7 +5,8 @@ documented by the docstring under it (that text is also the ``--help`` of its
 command-line flag, so units live there; plain text, no markup). Named presets
 are plain Python functions returning a :class:`PretrainConfig`. Reading a
 config (preset < ``--config`` file < flags, through tyro) is
-:mod:`cp_rope.launch.cli`.
+:mod:`cp_rope.launch.cli`; what a ``--resume`` must keep of it,
+:mod:`cp_rope.launch.resume_config`.
 
 :func:`validate` checks everything that can be checked without a process
 group or data, so a bad config fails in milliseconds with a message naming
@@ -22,12 +23,12 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS
+from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS, LossImpl
 
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "RESUME_FIXED", "check_resume_config", "resume_fixed",
+    "check_loss_impl",
 ]
 
 
@@ -121,6 +122,8 @@ class ParallelConfig:
     """Per-block attention kernel used by CP attention; flash_attn, torch_flash and torch_cudnn need CUDA and bf16/fp16, reference runs anywhere."""
     rope_backend: Literal["auto", "triton", "torch"] = "auto"
     """RoPE kernel: Triton on GPU (auto) or the pure-PyTorch path; triton on cpu needs TRITON_INTERPRET=1."""
+    loss_impl: LossImpl = "auto"
+    """The fused loss's kernel (cp_rope.parallel.cp_linear_cross_entropy): torch (cp_rope's chunked loop of loss_chunk_size tokens, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA, its own chunks; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed and no --loss-chunk-size is given, else torch. The run's log names the one used. Same value and gradients up to the compute dtype's rounding."""
     fsdp: Literal["auto", "on", "off"] = "auto"
     """Shard parameters, gradients and optimizer state with FSDP2 over all dp x cp ranks; auto = on for cuda, off (plain gradient all-reduce) on cpu."""
     timeout_s: int = 600
@@ -128,7 +131,7 @@ class ParallelConfig:
     cp_self_test: Literal["on", "off"] = "on"
     """Before the first step, check RoPE + CP attention + CP loss on the CP group against the unsharded computation (cp_rope.parallel.self_test, seconds; its time is logged); a misconfiguration fails the run naming the setting."""
     cp_calibration: str | None = None
-    """JSON of the CP cost model's constants for --cp-method auto (python -m cp_rope.parallel.calibrate --out PATH on this machine); None = the shipped H200 numbers."""
+    """JSON of the CP cost model's constants for --cp-method auto / --cp-placement auto and for --attn-backend auto's FA4 / cuDNN crossover (python -m cp_rope.parallel.calibrate --out PATH on this machine), loaded once at start-up and carried by every attention plan; None = the shipped H200 numbers."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -339,6 +342,8 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              "parallel.cp_split_threshold", p.cp_split_threshold,
              f"is for --cp-placement per_document only (this run: {p.cp_placement})")
     check_available(cfg)
+    check_loss_impl(p.loss_impl, fused=m.fused_loss, chunk_size=m.loss_chunk_size,
+                    device=t.device, where="parallel.loss_impl")
     _require(1 <= p.timeout_s <= MAX_TIMEOUT_S, "parallel.timeout_s", p.timeout_s,
              f"must be in [1, {MAX_TIMEOUT_S}] seconds (7 days; a longer timeout overflows "
              "the process group's timedelta)")
@@ -424,6 +429,33 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              f"{t.device}{', no GPU found' if t.device == 'auto' else ''}): use float32 or auto")
 
 
+def check_loss_impl(impl: str, *, fused: bool, chunk_size: int, device: str,
+                    where: str = "parallel.loss_impl") -> None:
+    """``--loss-impl`` against the other loss flags and this machine, before anything runs (both
+    trainers: ``where`` names the field).
+
+    Raises: ConfigError naming ``where``: not ``auto`` with ``--no-fused-loss``; ``liger`` with
+    ``--loss-chunk-size`` (Liger picks its own chunks), on a CPU run, or without liger-kernel
+    installed (the library's own reason, :func:`cp_rope.parallel.loss.liger_missing`).
+    """
+    _require(impl == "auto" or fused, where, impl,
+             "is for the fused loss only (this run: --no-fused-loss)")
+    if impl != "liger":
+        return
+    _require(not chunk_size, f"{where}='liger' with --loss-chunk-size", chunk_size,
+             "Liger picks its own chunks; the chunk size is the torch loop's (--loss-impl torch "
+             "or auto)")
+    import torch
+
+    from cp_rope.parallel.loss import liger_missing
+
+    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+    _require(not on_cpu, where, impl, "Liger-Kernel's kernels run on CUDA and this run is on "
+             "cpu: use --loss-impl auto (or torch)")
+    _require(liger_missing() is None, where, impl, f"{liger_missing()} (or use --loss-impl "
+             "auto / torch)")
+
+
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {
 }
 """Choices the config declares but the trainer does not run yet (their flags exist so that
@@ -443,58 +475,3 @@ def check_available(cfg: PretrainConfig) -> None:
         _require(value not in values, where, value,
                  "not available yet in cp_rope.launch (declared for a coming release); "
                  "choose one of the others")
-
-
-# ------------------------------------------------------------------ resume
-RESUME_FIXED: dict[str, tuple[str, ...]] = {
-    "model": ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim", "vocab_size",
-              "norm_eps", "rope_base"),
-    "data": ("data", "tokenizer", "text_field", "bin_dtype", "eos_id", "seq_mode", "seq_len",
-             "tokens_per_batch", "max_docs", "bpe_vocab_size", "eval_docs"),
-    "parallel": ("cp_size",),
-    "optim": ("lr", "beta1", "beta2", "eps", "weight_decay"),
-    "train": ("seed",),
-}
-"""Fields a ``--resume`` must keep: the model's shapes and function, everything that
-decides the data order (corpus, tokenizer, batching, seed, cp_size; the world size
-is checked against the checkpoint), and the optimizer hyper-parameters that the
-checkpoint's optimizer state restores (a changed value would be silently ignored).
-Everything else may change on resume: ``train.steps`` (the cosine is recomputed
-for the new total), ``stop_at_step``, logging, checkpoint frequency, out_dir,
-``optim.warmup_steps`` / ``min_lr_ratio`` / ``grad_clip`` (take effect from the
-resumed step), ``data.num_workers``, the CP method and kernel backends, FSDP,
-activation checkpointing, device and dtype."""
-
-
-def resume_fixed(cfg: PretrainConfig) -> dict[str, tuple[str, ...]]:
-    """:data:`RESUME_FIXED` for this run: without ``data.bpe_vocab_size`` unless the run
-    trains a BPE (``--tokenizer bpe``, or no tokenizer with the stdlib corpus), which is
-    the only run that reads it."""
-    d = cfg.data
-    bpe = d.tokenizer == "bpe" or (d.tokenizer is None and d.data is None)
-    return {s: tuple(n for n in names if bpe or (s, n) != ("data", "bpe_vocab_size"))
-            for s, names in RESUME_FIXED.items()}
-
-
-def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
-    """Compare the run's saved ``config.json`` (``saved``, from :func:`to_dict`) with ``cfg``.
-
-    A ``model.vocab_size`` of 0 (= from the tokenizer) in ``cfg`` is not compared:
-    the tokenizer is. Fields missing from ``saved`` (older files) are skipped.
-
-    Raises: ConfigError naming every field of :data:`RESUME_FIXED` that differs,
-    with the saved and the current value.
-    """
-    now = to_dict(cfg)
-    diffs = []
-    for section, names in resume_fixed(cfg).items():
-        for name in names:
-            old, new = saved.get(section, {}).get(name, now[section][name]), now[section][name]
-            if (section, name) == ("model", "vocab_size") and new == 0:
-                continue
-            if old != new:
-                diffs.append(f"{section}.{name}: {old!r} (checkpoint) != {new!r} (now)")
-    if diffs:
-        raise ConfigError("--resume with a config that differs from the checkpoint's run: "
-                          + "; ".join(diffs) + ". Keep these fields, or start a new run "
-                          "(--out-dir or --overwrite)")

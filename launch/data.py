@@ -439,15 +439,20 @@ class TokenDataset(Dataset):
                 "span": (0, self.seq_len)}
 
 
-def placement_args(parallel: ParallelConfig, model: ModelConfig) -> dict:
+def placement_args(parallel: ParallelConfig, model: ModelConfig, *,
+                   dtype: torch.dtype = torch.bfloat16, calibration=None) -> dict:
     """``build_loader``'s ``placement`` / ``split_threshold`` for a run: ``--cp-placement``,
     and for ``per_document`` ``--cp-split-threshold`` or, unset,
-    :func:`cp_rope.parallel.default_split_threshold` of the model's head_dim and cp_size."""
+    :func:`cp_rope.parallel.default_split_threshold` of the model's head_dim and cp_size.
+    ``auto``: the arguments of :class:`~cp_rope.parallel.cost_model.AutoPlacement`, with the
+    run's compute ``dtype``, block backend (``--attn-backend``'s throughput table) and
+    ``calibration`` (``--cp-calibration``'s constants, None: the shipped defaults)."""
     threshold = parallel.cp_split_threshold
     if parallel.cp_placement == "auto":  # chosen per batch by the cost model (auto_args)
         return {"placement": "auto", "split_threshold": None, "auto_args": dict(
             q_heads=model.n_heads, kv_heads=model.n_kv_heads, head_dim=model.dim // model.n_heads,
-            method=parallel.cp_method,
+            method=parallel.cp_method, dtype=dtype, backend=parallel.attn_backend,
+            calibration=calibration,
             ulysses_size=parallel.ulysses_size if parallel.cp_method == "hybrid" else None)}
     if parallel.cp_placement == "per_document" and threshold is None:
         threshold = default_split_threshold(model.dim // model.n_heads, parallel.cp_size)
@@ -470,7 +475,8 @@ def build_loader(cfg: DataConfig, dataset: TokenDataset, *, cp_size: int, cp_ran
     (``"per_document"``: documents of at most ``split_threshold`` tokens stay whole
     on one rank). ``"auto"``: per batch, by the cost model
     (:class:`cp_rope.parallel.cost_model.AutoPlacement` with ``auto_args``: the layer's
-    heads, head_dim, method, ulysses_size).
+    heads, head_dim, method, ulysses_size, dtype, backend, calibration; each batch then
+    carries its choice, ``batch.choice``, which its plan takes).
 
     Returns: ``(loader, sampler)``; the sampler carries the resumable data position.
     """

@@ -30,10 +30,13 @@ class HeldOut:
         cp_size, cp_rank, dp_size, dp_rank: this rank's place in the ``("dp", "cp")`` mesh.
         group: the dp x cp group the loss averages over.
         device: the model's device.
+        placement: the loader's placement arguments (:func:`~cp_rope.launch.data.placement_args`;
+            default: from ``cfg``, with the shipped calibration).
     """
 
     def __init__(self, cfg: PretrainConfig, corpus: Corpus, token_bytes, *, cp_size: int,
-                 cp_rank: int, dp_size: int, dp_rank: int, group, device: torch.device):
+                 cp_rank: int, dp_size: int, dp_rank: int, group, device: torch.device,
+                 placement: dict | None = None):
         self.every, self.token_bytes = cfg.train.eval_every, token_bytes
         t = cfg.train
         self.last = t.steps if t.stop_at_step is None else min(t.steps, t.stop_at_step)
@@ -42,19 +45,22 @@ class HeldOut:
         self.loader, self.sampler = build_loader(
             cfg.data, dataset, cp_size=cp_size, cp_rank=cp_rank, dp_size=dp_size,
             dp_rank=dp_rank, seed=cfg.train.seed, pin_memory=device.type == "cuda",
-            **placement_args(cfg.parallel, cfg.model))
+            **(placement or placement_args(cfg.parallel, cfg.model)))
         self.num_docs = corpus.num_docs
 
     @classmethod
-    def build(cls, cfg: PretrainConfig, run_data, mesh, group, device: torch.device):
+    def build(cls, cfg: PretrainConfig, run_data, mesh, group, device: torch.device,
+              placement: dict | None = None):
         """The held-out evaluation of a run (``run_data``:
         :class:`~cp_rope.launch.tokenizer.RunData`) on this rank of the ``("dp", "cp")``
-        ``mesh``, or None when the run holds no documents out."""
+        ``mesh``, or None when the run holds no documents out. ``placement``: the training
+        loader's :func:`~cp_rope.launch.data.placement_args` (default: from ``cfg``)."""
         if run_data.eval is None:
             return None
         return cls(cfg, run_data.eval, run_data.token_bytes, cp_size=mesh["cp"].size(),
                    cp_rank=mesh.get_local_rank("cp"), dp_size=mesh["dp"].size(),
-                   dp_rank=mesh.get_local_rank("dp"), group=group, device=device)
+                   dp_rank=mesh.get_local_rank("dp"), group=group, device=device,
+                   placement=placement)
 
     def due(self, step: int) -> bool:
         """Evaluate after ``step``: every ``eval_every`` steps and after the last one."""

@@ -65,10 +65,6 @@ except ImportError as _exc:  # no transformers: the command says how to install 
         print(f"error: {_exc}", file=sys.stderr)
         raise SystemExit(2) from None
     raise
-from cp_rope.parallel._loss_impl import liger_missing, loss_impl
-from cp_rope.parallel.choices import LossImpl
-from cp_rope.parallel.loss import auto_chunk_size
-
 from .cli import check_eval_flags, plain_text, run_cli
 from .config import (
     ConfigError,
@@ -78,6 +74,7 @@ from .config import (
     ParallelConfig,
     PretrainConfig,
     TrainConfig,
+    check_loss_impl,
     validate,
 )
 from .data import load_tokenizer
@@ -110,8 +107,6 @@ class HFConfig:
     """Loss from the base model's final hidden states and the lm_head weight in chunks of loss_chunk_size tokens (cp_rope.parallel.cp_linear_cross_entropy; tied embeddings and final logit softcapping included), so the [tokens, vocab_size] logits never exist whole; --no-fused-loss computes the logits, then cp_cross_entropy. Same value and gradients."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
-    loss_impl: LossImpl = "auto"
-    """The fused loss's kernel: torch (cp_rope's chunked loop of loss_chunk_size tokens, float32 logits, any device); liger (Liger-Kernel's fused linear cross-entropy, CUDA, its own chunks; pip install 'cp-rope[liger]'); auto = liger on CUDA in bf16 when installed and no --loss-chunk-size is given, else torch. The run's log names the one used. Same value and gradients up to the compute dtype's rounding."""
     fused_norm: bool = True
     """RMSNorms by PyTorch's fused rms_norm kernel in bf16 (cp_rope.hf.norms: no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
     mlp_tile_tokens: int = 0
@@ -213,43 +208,11 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
 
 
 def _check_loss_impl(fc: FinetuneConfig) -> None:
-    """``--loss-impl`` against the other loss flags and this machine, before anything runs.
-
-    Raises: ConfigError naming ``hf.loss_impl``: not ``auto`` with ``--no-fused-loss``;
-    ``liger`` with ``--loss-chunk-size`` (Liger picks its own chunks), on a CPU run, or
-    without liger-kernel installed.
-    """
-    impl, hf = fc.hf.loss_impl, fc.hf
-    if impl != "auto" and not hf.fused_loss:
-        raise ConfigError(f"hf.loss_impl={impl!r}: is for the fused loss only (this run: "
-                          "--no-fused-loss)")
-    if impl != "liger":
-        return
-    if hf.loss_chunk_size:
-        raise ConfigError(f"hf.loss_impl='liger' with --loss-chunk-size {hf.loss_chunk_size}: "
-                          "Liger picks its own chunks; the chunk size is the torch loop's "
-                          "(--loss-impl torch or auto)")
-    device = fc.train.device
-    if device == "cpu" or (device == "auto" and not torch.cuda.is_available()):
-        raise ConfigError("hf.loss_impl='liger': Liger-Kernel's kernels run on CUDA and this run "
-                          "is on cpu: use --loss-impl auto (or torch)")
-    if liger_missing():
-        raise ConfigError(f"hf.loss_impl='liger': {liger_missing()} (or use --loss-impl auto / "
-                          "torch)")
-
-
-def resolved_loss(model: HFCausalLM, device: torch.device, dtype: torch.dtype) -> str:
-    """What the run's loss is, for its log: ``"fused (liger)"``, ``"fused (torch, chunks of N)"``
-    or ``"unfused"``."""
-    if not model.fused_loss:
-        return "unfused"
-    chunk = model.loss_chunk_size or None
-    # a one-row stand-in for the hidden states (no rows would pick the torch loop)
-    impl = loss_impl(model.loss_impl, torch.empty(1, 1, dtype=dtype, device=device), chunk)
-    if impl == "liger":
-        return "fused (liger)"
-    vocab = model.lm.get_output_embeddings().weight.shape[0]
-    return f"fused (torch, chunks of {chunk or auto_chunk_size(vocab)} tokens)"
+    """``--loss-impl`` (``parallel.loss_impl``, the trainers' one field) against ``--model``'s
+    loss flags and this machine, before any data or model is loaded: the shared rule,
+    :func:`~cp_rope.launch.config.check_loss_impl` (ConfigError naming the field)."""
+    check_loss_impl(fc.parallel.loss_impl, fused=fc.hf.fused_loss,
+                    chunk_size=fc.hf.loss_chunk_size, device=fc.train.device)
 
 
 def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
@@ -263,7 +226,8 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
     lm.config.output_router_logits = aux is not None
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel, fused_loss=fc.hf.fused_loss,
                       loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens,
-                      loss_impl=fc.hf.loss_impl, fused_norm=fc.hf.fused_norm, router_aux=aux)
+                      loss_impl=fc.parallel.loss_impl, fused_norm=fc.hf.fused_norm,
+                      router_aux=aux)
 
 
 def router_aux(hf_config, mode: str) -> MoESpec | None:
@@ -327,8 +291,7 @@ def main(argv: list[str] | None = None) -> dict:
                     files={"hf.model": model_files(fc.hf.model)})
         dtype = compute_dtype(cfg, tr.device.type)
         fused_norm = fc.hf.fused_norm and dtype in LOW_PRECISION
-        tr.log.write(f"loss: {resolved_loss(tr.model, tr.device, dtype)}; RMSNorm: "
-                     f"{'fused (torch rms_norm)' if fused_norm else 'transformers'}")
+        tr.log.write(f"RMSNorm: {'fused (torch rms_norm)' if fused_norm else 'transformers'}")
         try:
             try:
                 train_loop(tr)

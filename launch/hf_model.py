@@ -56,6 +56,7 @@ class HFCausalLM(nn.Module):
         self._aux_agreed, self._aux_log = False, None
         self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
         self.mlp_tile_tokens, self.loss_impl, self.fused_norm = mlp_tile_tokens, loss_impl, fused_norm
+        self.calibration = None  # configure_attention sets the CP cost model's constants
         self.cp_size, self.cp_rank = 1, 0
         self.compute_dtype: torch.dtype | None = None  # parallelize sets it (the plan's dtype)
 
@@ -74,7 +75,8 @@ class HFCausalLM(nn.Module):
         return self.lm.get_input_embeddings()
 
     def configure_attention(self, *, cp_group, cp_method: str, attn_backend: str,
-                            rope_backend: str, ulysses_size: int | None = None) -> None:
+                            rope_backend: str, ulysses_size: int | None = None,
+                            calibration=None) -> None:
         if rope_backend != "auto":
             raise ConfigError(f"parallel.rope_backend={rope_backend!r}: finetune_hf uses auto "
                               "(set CP_ROPE_BACKEND=torch|triton to force one)")
@@ -82,6 +84,7 @@ class HFCausalLM(nn.Module):
                     rope_kernel=self.rope_kernel, ulysses_size=ulysses_size,
                     mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm)
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
+        self.calibration = calibration  # the CP cost model's constants, for every plan
 
     # the trainer's train_step passes the batch's seq_lens (the router loss's real tokens)
     uses_seq_lens = True
@@ -92,7 +95,8 @@ class HFCausalLM(nn.Module):
         """The plan of this rank's host ``batch`` (collective over the CP group): see the
         class docstring. Raises: as :func:`cp_rope.hf.attention_plan`."""
         return hf_attention_plan(self.lm, batch, max_seqlen, dtype=dtype or self.compute_dtype,
-                                 device=device, n_tokens=n_tokens)
+                                 device=device, n_tokens=n_tokens,
+                                 calibration=self.calibration)
 
     def forward(self, input_ids: torch.Tensor, plan, *,
                 labels: torch.Tensor | None = None,

@@ -125,6 +125,8 @@ class Transformer(nn.Module):
             :meth:`configure_attention` (which
             :func:`cp_rope.launch.parallelize.parallelize` calls with the mesh's
             ``"cp"`` group); the defaults hold whole sequences in this process.
+        loss_impl: the fused loss's kernel, one of
+            :data:`~cp_rope.parallel.choices.LOSS_IMPLS` (``--loss-impl``; :meth:`head`).
 
     ``forward(input_ids, plan, *, labels=None, loss_group=None)``:
         input_ids: int64 ``[T]`` (this rank's shard under CP);
@@ -145,13 +147,15 @@ class Transformer(nn.Module):
     """
 
     def __init__(self, cfg: ModelConfig, *, cp_group: dist.ProcessGroup | None = None,
-                 cp_method: str = "ring", attn_backend: str = "auto", rope_backend: str = "auto"):
+                 cp_method: str = "ring", attn_backend: str = "auto", rope_backend: str = "auto",
+                 loss_impl: str = "auto"):
         super().__init__()
         if cfg.vocab_size < 1 or cfg.max_seq_len < 1:
             raise ValueError(f"cfg.vocab_size={cfg.vocab_size} and cfg.max_seq_len={cfg.max_seq_len} "
                              "must be resolved (>= 1) before building the model")
         self.cfg = cfg
         self.compute_dtype: torch.dtype | None = None  # parallelize sets it (the plan's dtype)
+        self.loss_impl = loss_impl  # the fused loss's kernel (--loss-impl: LOSS_IMPLS)
         self.configure_attention(cp_group=cp_group, cp_method=cp_method, attn_backend=attn_backend,
                                  rope_backend=rope_backend)
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -163,7 +167,8 @@ class Transformer(nn.Module):
 
     def configure_attention(self, *, cp_group: dist.ProcessGroup | None = None,
                             cp_method: str = "ring", attn_backend: str = "auto",
-                            rope_backend: str = "auto", ulysses_size: int | None = None) -> None:
+                            rope_backend: str = "auto", ulysses_size: int | None = None,
+                            calibration=None) -> None:
         """How every attention layer runs (no parameters change).
 
         Args:
@@ -173,12 +178,15 @@ class Transformer(nn.Module):
                 context_parallel_attention).
             ulysses_size: ``"hybrid"`` only: ranks per all-to-all group (divides the CP size).
             attn_backend, rope_backend: kernel selection passed through.
+            calibration: the CP cost model's constants
+                (:class:`~cp_rope.parallel.calibrate.Calibration`, None: the shipped
+                defaults), passed to every plan (:meth:`attention_plan`).
         """
         self.cp_group = cp_group
         self.cp_size = 1 if cp_group is None else dist.get_world_size(cp_group)
         self.cp_rank = 0 if cp_group is None else dist.get_rank(cp_group)
         self.cp_method, self.attn_backend, self.rope_backend = cp_method, attn_backend, rope_backend
-        self.ulysses_size = ulysses_size
+        self.ulysses_size, self.calibration = ulysses_size, calibration
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -197,8 +205,8 @@ class Transformer(nn.Module):
                        n_tokens: int | None = None):
         """The attention plan of one batch for this model (collective over the CP group):
         :func:`cp_rope.parallel.attention_plan` with the model's heads, CP group, method,
-        backend and ``ulysses_size``. Call it on the *host* batch before moving it to the
-        device: no device-to-host read.
+        backend, ``ulysses_size`` and calibration (``plan.choice``: what auto picked). Call it
+        on the *host* batch before moving it to the device: no device-to-host read.
 
         Args:
             batch: this rank's PackedBatch shard (or a DocumentPlacement, or local zigzag
@@ -217,7 +225,7 @@ class Transformer(nn.Module):
                               device=weight.device if device is None else device,
                               group=self.cp_group, method=self.cp_method,
                               ulysses_size=self.ulysses_size, backend=self.attn_backend,
-                              n_tokens=n_tokens)
+                              n_tokens=n_tokens, calibration=self.calibration)
 
     def forward(self, input_ids: torch.Tensor, plan, *, labels: torch.Tensor | None = None,
                 loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
@@ -233,14 +241,15 @@ class Transformer(nn.Module):
              loss_group: dist.ProcessGroup | None = None) -> torch.Tensor:
         """Final hidden states ``[T, dim]`` -> logits ``[T, vocab_size]``, or with ``labels``
         the loss: :func:`~cp_rope.parallel.cp_linear_cross_entropy` over chunks of
-        ``cfg.loss_chunk_size`` tokens (``cfg.fused_loss``; the logits never exist whole),
-        else :func:`~cp_rope.parallel.cp_cross_entropy` on the logits; both the mean over
-        every real label of ``loss_group`` (``None``: the world)."""
+        ``cfg.loss_chunk_size`` tokens by ``loss_impl`` (``cfg.fused_loss``; the logits
+        never exist whole), else :func:`~cp_rope.parallel.cp_cross_entropy` on the logits;
+        both the mean over every real label of ``loss_group`` (``None``: the world)."""
         if labels is None:
             return self.output(h)
         if self.cfg.fused_loss:
             return cp_linear_cross_entropy(h, self.output.weight, labels, loss_group,
-                                           chunk_size=self.cfg.loss_chunk_size or None)
+                                           chunk_size=self.cfg.loss_chunk_size or None,
+                                           impl=self.loss_impl)
         return cp_cross_entropy(self.output(h), labels, loss_group)
 
 

@@ -29,6 +29,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from cp_rope.parallel.calibrate import Calibration
 from cp_rope.parallel.mesh import ParallelDims
 
 from .config import PretrainConfig
@@ -58,12 +59,16 @@ def flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return dims.build_flat_mesh(mesh.device_type)
 
 
-def apply_cp(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
-    """Attention over ``mesh["cp"]`` with ``parallel.cp_method`` and the kernel backends."""
+def apply_cp(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig, *,
+             calibration: Calibration | None = None) -> None:
+    """Attention over ``mesh["cp"]`` with ``parallel.cp_method``, the kernel backends and
+    ``calibration`` (``--cp-calibration``'s constants: every plan the model builds carries
+    them; None: the shipped defaults)."""
     p = cfg.parallel
     model.configure_attention(cp_group=mesh["cp"].get_group(), cp_method=p.cp_method,
                               attn_backend=p.attn_backend, rope_backend=p.rope_backend,
-                              ulysses_size=p.ulysses_size if p.cp_method == "hybrid" else None)
+                              ulysses_size=p.ulysses_size if p.cp_method == "hybrid" else None,
+                              calibration=calibration)
 
 
 def checkpoint_mode(value: str | bool) -> str:
@@ -113,7 +118,8 @@ def apply_fsdp(model: Transformer, mesh: DeviceMesh, param_dtype: torch.dtype) -
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
-def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> None:
+def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig, *,
+                calibration: Calibration | None = None) -> None:
     """CP wiring, then activation checkpointing, then FSDP2 (or a cast), in place.
 
     Args:
@@ -122,10 +128,11 @@ def parallelize(model: Transformer, mesh: DeviceMesh, cfg: PretrainConfig) -> No
             (:meth:`cp_rope.parallel.mesh.ParallelDims.build_mesh`).
         cfg: ``parallel`` (CP method, backends, fsdp), ``model.activation_checkpointing``,
             ``model.offload_activations`` and ``train.dtype`` are read.
+        calibration: the CP cost model's constants for the model's plans (:func:`apply_cp`).
 
     The order and the reasons are in this module's docstring.
     """
-    apply_cp(model, mesh, cfg)
+    apply_cp(model, mesh, cfg, calibration=calibration)
     mode = checkpoint_mode(cfg.model.activation_checkpointing)
     if mode != "none" or cfg.model.offload_activations:
         apply_activation_checkpointing(model, mode, offload=cfg.model.offload_activations)

@@ -45,13 +45,14 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from cp_rope.parallel.loss import auto_chunk_size, loss_impl
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
 from .config import ConfigError, PretrainConfig, validate
-from .cp_startup import cp_start_up, log_auto_choice
+from .cp_startup import cp_calibration, cp_start_up, log_auto_choice
 from .data import TokenDataset, build_loader, padded_vocab_size, placement_args
 from .evaluate import HeldOut
 from .metrics import MetricsLogger, StepStats, Throughput, log_step, peak_memory_gib, peak_tflops
@@ -65,7 +66,7 @@ from .stop_flag import StopFlag
 from .tokenizer import prepare_corpora
 
 __all__ = ["main", "run", "set_up", "train_loop", "summarize", "Trainer", "build_model",
-           "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed"]
+           "train_step", "all_reduce_gradients", "lr_lambda", "setup_distributed", "loss_summary"]
 
 
 # ------------------------------------------------------------------ pieces
@@ -74,13 +75,28 @@ def build_model(cfg: PretrainConfig, device: torch.device) -> Transformer:
     every rank); :func:`~cp_rope.launch.parallelize.parallelize` comes next."""
     torch.manual_seed(cfg.train.seed)
     with torch.device(device):
-        return Transformer(cfg.model)
+        return Transformer(cfg.model, loss_impl=cfg.parallel.loss_impl)
+
+
+def loss_summary(cfg: PretrainConfig, device: torch.device, dtype: torch.dtype) -> str:
+    """What the run's loss runs, for its log at start: ``"fused (liger)"``, ``"fused (torch,
+    chunks of N tokens)"`` or ``"unfused"`` (``--loss-impl`` resolved for this device and
+    compute dtype by the library's own rule, :func:`cp_rope.parallel.loss.loss_impl`)."""
+    m = cfg.model
+    if not m.fused_loss:
+        return "unfused"
+    chunk = m.loss_chunk_size or None
+    # a one-row stand-in for the hidden states (no rows would pick the torch loop)
+    impl = loss_impl(cfg.parallel.loss_impl, torch.empty(1, 1, dtype=dtype, device=device), chunk)
+    if impl == "liger":
+        return "fused (liger)"
+    return f"fused (torch, chunks of {chunk or auto_chunk_size(m.vocab_size)} tokens)"
 
 
 def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, *,
                device: torch.device | None = None, grad_scale: float = 1.0,
                reduce_group: dist.ProcessGroup | None = None,
-               reduce_grads: bool = True) -> torch.Tensor:
+               reduce_grads: bool = True, plan=None) -> torch.Tensor:
     """The batch's plan, forward, CP loss, backward and (CPU path) the gradient SUM.
 
     Args:
@@ -91,10 +107,13 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
         grad_scale: backward of ``loss * grad_scale``: the world size under FSDP2,
             whose reduce-scatter averages, so that the result is a SUM.
         reduce_grads: all-reduce gradients over ``reduce_group`` here (no FSDP).
+        plan: the batch's plan when the caller built it (:func:`train_loop`, which logs its
+            ``plan.choice``); None: built here.
 
     Returns: the detached loss (the mean over every real token of ``loss_group``).
     """
-    plan = model.attention_plan(batch, device=device)  # the step's one plan, from host data
+    if plan is None:  # the step's one plan, from host data
+        plan = model.attention_plan(batch, device=device)
     batch = batch.to(plan.device, non_blocking=True)
     # the loss comes from the model's forward (fused head; FSDP2's root weights unsharded there);
     extra = {"seq_lens": batch.seq_lens} if getattr(model, "uses_seq_lens", False) else {}  # MoE
@@ -242,6 +261,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
     mesh = dims.build_mesh(device.type)
     dp_rank, cp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("cp")
 
+    calibration = cp_calibration(cfg, device)  # the cost model's constants, for every plan
     corpus = (run_data := prepare_corpora(cfg, rank)).train  # tokenizer (BPE), held-out split
     start.record_tokenizer(run_data.trained_tokenizer)
     cfg = _resolve(cfg, corpus.vocab_size)
@@ -249,16 +269,17 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
     if cfg.model.memory == "auto":  # before the model exists: the choice shapes it
         cfg, memory_note = auto_settings(cfg, device, dp=dims.dp, cp=dims.cp, shapes=memory_shapes)
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
+    fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
+    placement = placement_args(cfg.parallel, cfg.model, dtype=dtype, calibration=calibration)
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
-                                   pin_memory=device.type == "cuda",
-                                   **placement_args(cfg.parallel, cfg.model))
+                                   pin_memory=device.type == "cuda", **placement)
     batches = _Batches(loader, sampler)
 
     model = (build or build_model)(cfg, device)
     n_params = count_params(model)
     n_params_no_emb = count_params(model, exclude_embedding=True)
-    parallelize(model, mesh, cfg)
+    parallelize(model, mesh, cfg, calibration=calibration)
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
 
@@ -288,7 +309,6 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
         log.write(line)
     if memory_note:
         log.write(memory_note)
-    fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     log.write(f"cp-rope {program}: world {world} = dp {dims.dp} x cp {dims.cp}, {device.type} "
               f"{str(dtype).removeprefix('torch.')}{' FSDP2' if fsdp else ''}, "
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
@@ -296,8 +316,10 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
+    log.write(f"loss: {loss_summary(cfg, device, dtype)} (--loss-impl {cfg.parallel.loss_impl})")
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
-                layers=getattr(model, "attention_layers", ((None,), False)))
+                layers=getattr(model, "attention_layers", ((None,), False)),
+                calibration=calibration)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     throughput = Throughput(cfg.model, n_params_no_emb, cp_size=dims.cp, world_size=world,
@@ -307,7 +329,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
                    loss_group=group, optimizer=optimizer, scheduler=scheduler,
                    batches=batches, log=log, throughput=throughput, step=step, start_step=step,
                    stats=StepStats(run_data.token_bytes, cp_size=dims.cp, group=group, device=device),
-                   held_out=HeldOut.build(cfg, run_data, mesh, group, device))
+                   held_out=HeldOut.build(cfg, run_data, mesh, group, device, placement))
 
 
 def train_loop(tr: Trainer) -> None:
@@ -334,9 +356,10 @@ def train_loop(tr: Trainer) -> None:
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
             tr.stats.add(host_batch)  # labelled tokens, their bytes, the CP ranks' work
             tr.optimizer.zero_grad(set_to_none=True)
+            plan = tr.model.attention_plan(host_batch, device=device)  # carries the auto choice
             loss = train_step(tr.model, host_batch, tr.loss_group, device=device,
                               grad_scale=float(world) if tr.fsdp else 1.0,
-                              reduce_group=tr.loss_group, reduce_grads=not tr.fsdp)
+                              reduce_group=tr.loss_group, reduce_grads=not tr.fsdp, plan=plan)
             loss_val = float(loss)
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"non-finite loss {loss_val} at step {tr.step + 1}")
@@ -353,7 +376,7 @@ def train_loop(tr: Trainer) -> None:
             if tr.step % cfg.train.log_every == 0 or tr.step == last or (
                     tr.held_out is not None and tr.held_out.due(tr.step)):
                 log_step(tr, loss_val, lr, grad_norm)  # and the held-out evaluation when due
-                log_auto_choice(tr.log.write, cfg, tr.step)  # the cost model's pick, if auto
+                log_auto_choice(tr.log.write, cfg, tr.step, plan)  # the plan's auto pick, if any
             if cfg.train.checkpoint_every and tr.step % cfg.train.checkpoint_every == 0 \
                     and tr.step < last:
                 save_checkpoint(tr.ckpt_root, tr.step, tr.model, tr.optimizer, tr.scheduler,

@@ -2,7 +2,7 @@
 
 A fresh run must not mix with an earlier run's checkpoints or ``metrics.jsonl``;
 ``--overwrite`` deletes them; ``--resume`` must keep the fields of
-:data:`~cp_rope.launch.config.RESUME_FIXED` (checked against the earlier run's
+:data:`~cp_rope.launch.resume_config.RESUME_FIXED` (checked against the earlier run's
 ``config.json``) and the contents of its corpus and tokenizer files; one run at a time
 (:mod:`cp_rope.launch.run_lock`). Rank 0 decides, every rank raises the same ConfigError.
 
@@ -22,7 +22,8 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 
 from .checkpoint import has_checkpoints, run_identity
-from .config import SECTIONS, ConfigError, PretrainConfig, check_resume_config, to_dict
+from .config import SECTIONS, ConfigError, PretrainConfig, to_dict
+from .resume_config import check_resume_config
 from .run_identity import agree_run_identity, file_digest
 from .run_lock import OutDirLock, lock_out_dir
 

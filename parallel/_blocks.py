@@ -59,7 +59,7 @@ import torch
 from cp_rope.validation import check_choice
 
 from . import _compat
-from ._calibration import active_calibration
+from ._calibration import calibration_or_default
 from ._cudnn_thd import CudnnTHD as _CudnnTHD
 from ._fa4 import CudnnFa4 as _CudnnFa4
 from ._fa4 import Fa4 as _Fa4
@@ -436,7 +436,8 @@ def _unsupported(backend: str, q: torch.Tensor, n_seqs: int) -> str | None:
                                n_seqs=n_seqs)
 
 
-def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False):
+def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = False, *,
+                calibration=None):
     """Resolve ``backend`` ("auto" or a name of :data:`BACKENDS`) for these inputs
     (``windowed``: for a plan with a sliding window, whose blocks only the backends of
     :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` run; ``auto`` picks the first of those
@@ -448,9 +449,10 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fal
 
     * cudnn and fa4 both run these inputs (CUDA sm90+, fp16/bf16, head_dim <= 128, both
       packages importable): **per segment** (one document's share of a block), FA4 when its
-      query rows are at least the crossover length ``c(head_dim)`` of the active calibration
-      (:meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`: the measured table of
-      ``python -m cp_rope.parallel.calibrate``, else the shipped H200 one), cuDNN below it
+      query rows are at least the crossover length ``c(head_dim)`` of ``calibration`` (the
+      plan's, ``plan.calibration``; :meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`:
+      the measured table of ``python -m cp_rope.parallel.calibrate``, None: the shipped H200
+      one), cuDNN below it
       (:class:`~cp_rope.parallel._fa4.CudnnFa4`; a block whose segments all fall on one side
       runs as that backend alone). FA4 is faster on long documents (its TFLOP/s at head_dim
       64: 530 against cuDNN's 432), cuDNN on short ones (512 x 256 tokens: FA4 1.3x slower).
@@ -468,7 +470,7 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fal
         runs = [b for b in BACKENDS if _window_refusal(b, windowed) is None
                 and _unsupported(b, q, n_seqs) is None]
         if "cudnn" in runs and "fa4" in runs:
-            crossover = active_calibration().crossover_at(q.shape[-1])
+            crossover = calibration_or_default(calibration).crossover_at(q.shape[-1])
             if crossover is not None:
                 return _CudnnFa4(crossover)
         backend = runs[0]

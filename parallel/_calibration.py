@@ -1,5 +1,7 @@
-"""The CP cost model's constants (:class:`Calibration`): shipped H200 defaults, the JSON file
-format, and the process's active calibration. Measured by ``python -m
+"""The CP cost model's constants (:class:`Calibration`): shipped H200 defaults and the JSON file
+format. A calibration travels explicitly (``attention_plan(..., calibration=)``, stored on the
+plan as ``plan.calibration``; ``cost_model.choose(calibration=)``; ``AutoPlacement(calibration=)``):
+no module keeps one for the process. Measured by ``python -m
 cp_rope.parallel.calibrate`` (:mod:`cp_rope.parallel.calibrate`, which re-exports this API);
 see that module for the units."""
 
@@ -14,8 +16,8 @@ import torch
 
 from . import _compat
 
-__all__ = ["Calibration", "CalibrationError", "active_calibration", "default_calibration",
-           "load_calibration", "save_calibration", "use_calibration"]
+__all__ = ["Calibration", "CalibrationError", "calibration_or_default", "default_calibration",
+           "load_calibration", "save_calibration"]
 
 FORMAT = 1
 _OPTIONAL = ("source", "crossover", "fa4_version")
@@ -114,20 +116,21 @@ def default_calibration(device_name: str | None = None) -> Calibration:
     return Calibration(device_name=name, torch_version=torch.__version__, source=src, **_H200)
 
 
-_ACTIVE: dict = {}
+def calibration_or_default(cal: Calibration | None) -> Calibration:
+    """``cal``, or :func:`default_calibration` for None: the constants a plan, a chooser or a
+    block backend runs with. There is no process-wide calibration: whoever builds the plan
+    passes it (``attention_plan(..., calibration=)``; the trainers load ``--cp-calibration``).
 
-
-def use_calibration(cal: Calibration | None) -> None:
-    """Make ``cal`` the constants of ``method="auto"`` / ``placement="auto"`` in this process
-    (None: the shipped defaults). The trainers call it with ``--cp-calibration``'s file."""
-    if cal is not None and not isinstance(cal, Calibration):
-        raise TypeError(f"cal must be a Calibration or None, got {type(cal).__name__}")
-    _ACTIVE["cal"] = cal
-
-
-def active_calibration() -> Calibration:
-    """The constants set by :func:`use_calibration`, else :func:`default_calibration`."""
-    return _ACTIVE.get("cal") or default_calibration()
+    Raises: TypeError for anything but a :class:`Calibration` or None (a dict is not read:
+    :func:`load_calibration` reads a JSON file).
+    """
+    if cal is None:
+        return default_calibration()
+    if not isinstance(cal, Calibration):
+        raise TypeError(f"calibration must be a Calibration (cp_rope.parallel.calibrate."
+                        f"load_calibration(path) reads a JSON file) or None, got "
+                        f"{type(cal).__name__}")
+    return cal
 
 
 def _device_name(device: torch.device | str | None) -> str:

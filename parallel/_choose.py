@@ -1,10 +1,13 @@
 """The hook of ``method="auto"`` / ``placement="auto"``: one function the plan builder calls.
 
 :func:`cp_rope.parallel.attention_plan` calls :func:`choose_strategy` when its
-``method`` or ``placement`` is ``"auto"``, with the batch's layout (host data,
-equal on every rank) and the layer's shapes; it must return the same answer on
-every rank (a pure function of its argument). Its answer then goes through the
-builder's checks and the ranks' agreement like explicit arguments.
+``method`` or ``placement`` is ``"auto"`` and the batch carries no choice yet
+(``batch.choice``, set by :class:`~cp_rope.parallel.cost_model.AutoPlacement`), with the
+batch's layout (host data, equal on every rank), the layer's shapes and the plan's
+calibration; it must return the same answer on every rank (a pure function of its
+argument). Its answer then goes through the builder's checks and the ranks' agreement like
+explicit arguments, and the plan carries it (``plan.choice``). Nothing is kept here: the
+decision travels on the plan (and the batch) it describes.
 """
 
 from __future__ import annotations
@@ -13,7 +16,11 @@ import dataclasses
 
 import torch
 
-__all__ = ["LayoutInfo", "Strategy", "choose_strategy"]
+from ._calibration import Calibration
+from .cost_model import Choice, choose
+from .placement import default_split_threshold
+
+__all__ = ["LayoutInfo", "choose_strategy"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +36,7 @@ class LayoutInfo:
         cp_size: C; q_heads, kv_heads, head_dim, dtype, device, causal: the layer's.
         method, placement, split_threshold, ulysses_size: what the caller asked for
             (``"auto"`` where the chooser decides).
+        calibration: the cost model's constants (the plan's ``calibration``).
     """
 
     global_cu_seqlens: torch.Tensor
@@ -45,46 +53,24 @@ class LayoutInfo:
     placement: str | None
     split_threshold: int | None
     ulysses_size: int | None
+    calibration: Calibration
 
 
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """The chooser's answer: concrete ``method`` (one of METHODS), ``placement`` (one of
-    PLACEMENTS), ``split_threshold`` (per_document) and ``ulysses_size`` (hybrid)."""
-
-    method: str
-    placement: str
-    split_threshold: int | None = None
-    ulysses_size: int | None = None
-
-
-_last: dict = {}
-
-
-def last_choice():
-    """The :class:`~cp_rope.parallel.cost_model.Choice` of the latest ``"auto"`` build in this
-    process (None before one): for the step log (``choice.summary()``)."""
-    return _last.get("choice")
-
-
-def choose_strategy(info: LayoutInfo) -> Strategy:
+def choose_strategy(info: LayoutInfo) -> Choice:
     """The method / placement for one batch by the cost model
-    (:func:`cp_rope.parallel.cost_model.choose`, constants from
-    :func:`cp_rope.parallel.calibrate.active_calibration`).
+    (:func:`cp_rope.parallel.cost_model.choose`, constants ``info.calibration``): a
+    :class:`~cp_rope.parallel.cost_model.Choice` (``.method``, ``.placement``,
+    ``.split_threshold``, ``.ulysses_size``, the predicted times, ``.summary()``).
 
-    A pure function of ``info`` and the process's calibration: every rank that loaded the
-    same calibration gets the same answer (and the plan's agreement covers the chosen
-    method). The rows' layout (``placement_fixed``) is kept; per-document rows are
-    modelled with ``split_threshold`` (the library default when None).
+    A pure function of ``info``: every rank that passes the same calibration gets the same
+    answer (and the plan's agreement covers the chosen method). The rows' layout
+    (``placement_fixed``) is kept; per-document rows are modelled with ``split_threshold``
+    (the library default when None).
 
     Raises: ValueError naming ``method='auto'`` / ``placement='auto'`` and the setting it
     cannot honour (e.g. a ``ulysses_size`` that does not divide the heads or cp_size; a
     placement no batch layout allows).
     """
-    from ._calibration import active_calibration
-    from .cost_model import choose
-    from .placement import default_split_threshold
-
     placement = info.placement_fixed or (info.placement if info.placement not in (None, "auto")
                                          else "auto")
     threshold = info.split_threshold
@@ -93,14 +79,11 @@ def choose_strategy(info: LayoutInfo) -> Strategy:
     # the throughput of backend "auto" (cudnn, or cudnn + fa4 by the crossover table)
     backend = "auto" if info.device.type == "cuda" else "reference"
     try:
-        choice = choose(info.global_cu_seqlens, cp_size=info.cp_size, q_heads=info.q_heads,
+        return choose(info.global_cu_seqlens, cp_size=info.cp_size, q_heads=info.q_heads,
                         kv_heads=info.kv_heads, head_dim=info.head_dim, dtype=info.dtype,
                         backend=backend, method=info.method, placement=placement,
                         split_threshold=threshold,
-                        ulysses_size=info.ulysses_size, calibration=active_calibration())
+                        ulysses_size=info.ulysses_size, calibration=info.calibration)
     except ValueError as exc:
         raise ValueError(f"method={info.method!r}, placement={info.placement!r} (auto) cannot "
                          f"honour the other settings: {exc}") from exc
-    _last["choice"] = choice
-    return Strategy(method=choice.method, placement=choice.placement,
-                    split_threshold=choice.split_threshold, ulysses_size=choice.ulysses_size)

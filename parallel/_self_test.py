@@ -125,7 +125,7 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
               device: torch.device | str = "cpu", cp_rank: int | None = None,
               cp_size: int | None = None, data_placement: str | None = None,
               seed: int = 0, window: int | None | list = None,
-              sinks: bool = False) -> SelfTestResult:
+              sinks: bool = False, calibration=None) -> SelfTestResult:
     """Check RoPE + CP attention + CP loss on ``group`` against the unsharded computation.
 
     Args:
@@ -145,6 +145,8 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
             layers): one attention layer per window, their outputs summed.
         sinks: the layers carry per-head sink logits (random ``[q_heads]``, their gradient
             compared as ``dsinks``).
+        calibration: the run's cost-model constants (as ``attention_plan``'s: backend
+            ``"auto"``'s FA4 / cuDNN crossover; None: the shipped defaults).
 
     The path is the trainers': the plan of this rank's host shard
     (:func:`~cp_rope.parallel.attention_plan`), RoPE from ``plan.rope_args()``, each layer
@@ -247,7 +249,7 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
     try:
         got = _cp_run(glob, qkvw[:4], cos, sin, group, C, r, data_size, data_rank, data_place,
                       thr, method, backend, placement, ulysses_size, device, windows,
-                      qkvw[4] if sinks else None)
+                      qkvw[4] if sinks else None, calibration)
     except Exception as exc:  # a CP run that fails is a failed self-test, on every rank
         error = f"{type(exc).__name__}: {exc}"
     if C > 1:
@@ -285,7 +287,7 @@ def self_test(group: dist.ProcessGroup | None = None, *, method: str = "ring",
 
 
 def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place, thr, method,
-            backend, placement, ulysses_size, device, windows, sinks) -> dict:
+            backend, placement, ulysses_size, device, windows, sinks, calibration) -> dict:
     """This rank's sharded run by the trainers' path (the plan of the host shard, RoPE from
     ``plan.rope_args()``, one attention call per layer with ``plan=``: one layer per window
     of ``windows``, their outputs summed), gathered back into global rows: a dict."""
@@ -297,7 +299,8 @@ def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place,
     plan = attention_plan(local, q_heads=q_heads, kv_heads=kv_heads, head_dim=head_dim,
                           dtype=qkvw[0].dtype, device=device, group=group, method=method,
                           backend=backend, placement=placement, ulysses_size=ulysses_size,
-                          window=list(windows), sinks=sinks is not None)
+                          window=list(windows), sinks=sinks is not None,
+                          calibration=calibration)
     rows = local.input_ids  # global row of every local row (-1: padding)
     real = rows >= 0
     take = rows.clamp(min=0).to(device)

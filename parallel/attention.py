@@ -33,6 +33,7 @@ import torch.distributed as dist
 from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 
 from ._blocks import get_backend
+from ._calibration import Calibration, calibration_or_default
 from ._choose import LayoutInfo, choose_strategy
 from ._dispatch import run_plan
 from ._window import check_sinks
@@ -67,6 +68,7 @@ def attention_plan(
     seq_lens: torch.Tensor | None = None,
     window: int | None | list = None,
     sinks: bool = False,
+    calibration: Calibration | None = None,
     _check=None,
     _extra_sig=None,
 ) -> CPAttentionPlan | PerDocumentPlan:
@@ -83,8 +85,11 @@ def attention_plan(
             ``[T, Hkv, D]`` (the compute dtype).
         device: where q/k/v live (default: the source's device; CPU for a placement).
         group: the CP process group (None or one rank: no CP).
-        method: one of :data:`~cp_rope.parallel.choices.METHODS`, or ``"auto"``
-            (:func:`~cp_rope.parallel._choose.choose_strategy` decides).
+        method: one of :data:`~cp_rope.parallel.choices.METHODS`, or ``"auto"``: the method
+            of the batch's ``choice`` (a shard of
+            :class:`~cp_rope.parallel.cost_model.AutoPlacement`), else
+            :func:`~cp_rope.parallel._choose.choose_strategy` decides. A batch's choice is
+            also taken with its own method named here (the plan then carries it).
         placement: None (the source's), ``"zigzag"`` / ``"per_document"`` (must be the
             source's layout), or ``"auto"`` (the chooser decides; it must keep the
             layout of rows already sharded).
@@ -102,10 +107,19 @@ def attention_plan(
             model's per-layer windows, None for its full layers: ``plan.for_window(W)``
             gives each layer's plan; the first is the returned plan's own).
         sinks: the layers pass per-head sink logits ``[Hq]`` (GPT-OSS) to every call.
+        calibration: the cost model's constants
+            (:func:`cp_rope.parallel.calibrate.load_calibration` of ``python -m
+            cp_rope.parallel.calibrate``'s file; None: the shipped defaults) for ``"auto"``
+            and for backend ``"auto"``'s FA4 / cuDNN crossover in every call with this plan
+            (``plan.calibration``). Explicit: nothing keeps one for the process.
 
     Returns: a :class:`CPAttentionPlan` (zigzag) or :class:`PerDocumentPlan`, read-only;
     ``plan.rope_args()`` gives RoPE's keyword arguments for its layout (positions built
-    once, on ``device``).
+    once, on ``device``); ``plan.choice`` the auto decision (a
+    :class:`~cp_rope.parallel.cost_model.Choice`: method, placement, split threshold,
+    ``ulysses_size``, predicted times and runners-up, ``summary()``; None when neither
+    ``method`` nor ``placement`` was auto and the batch carries none); ``plan.calibration``
+    the constants it runs with.
 
     Raises: TypeError / ValueError naming the argument on the rank whose argument is bad,
     and RuntimeError naming that rank on the others (group of more than one rank); a
@@ -114,15 +128,19 @@ def attention_plan(
     """
     size = dist.get_world_size(group) if group is not None and dist.is_initialized() else 1
     rank = dist.get_rank(group) if size > 1 else 0
-    error, kw = None, {}
+    error, kw, choice = None, {}, None
     try:
         if _check is not None:  # the caller's rank-local checks (cp_rope.hf) join the agreement
             _check()
+        calibration = calibration_or_default(calibration)
         kw = _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens,
                              device, placement, split_threshold)
         laid = kw.pop("laid")
         layout = kw.pop("layout")  # host cu_seqlens, read only for the chooser
-        if AUTO in (method, placement):
+        choice = _batch_choice(source, method, ulysses_size, laid)
+        if choice is not None:  # the batch's one decision (AutoPlacement), not a second one
+            method, ulysses_size = choice.method, choice.ulysses_size
+        elif AUTO in (method, placement):
             global_cu, local_cu = layout()
             info = LayoutInfo(
                 global_cu_seqlens=global_cu, local_cu_seqlens=local_cu,
@@ -130,7 +148,8 @@ def attention_plan(
                 head_dim=head_dim, dtype=dtype, device=torch.device(kw["device"]),
                 causal=causal, method=method, placement=placement,
                 split_threshold=(kw["placement"].split_threshold if laid == "per_document"
-                                 else split_threshold), ulysses_size=ulysses_size)
+                                 else split_threshold), ulysses_size=ulysses_size,
+                calibration=calibration)
             choice = choose_strategy(info)
             if choice.placement != laid:
                 raise ValueError(f"placement: the chooser picked {choice.placement!r} but the "
@@ -152,8 +171,25 @@ def attention_plan(
     else:
         plan = CPAttentionPlan.build(kw.pop("cu_seqlens"), kw.pop("max_seqlen"), **kw, **common,
                                      _extra_sig=_extra_sig)
+    plan._record(choice, calibration)  # what auto decided, and the constants calls run with
     plan.rope_args()  # the positions, once per batch
     return plan
+
+
+def _batch_choice(source, method, ulysses_size, laid):
+    """The :class:`~cp_rope.parallel.cost_model.Choice` a batch carries (``batch.choice``),
+    when the plan takes it: ``method`` is ``"auto"`` or the choice's own (with its
+    ``ulysses_size`` or None); None otherwise (no choice, or an explicit other method, which
+    wins). ValueError when the choice is not of the rows' layout (a batch changed after)."""
+    choice = getattr(source, "choice", None) if isinstance(source, PackedBatch) else None
+    if choice is None or (method != AUTO and (method != choice.method or ulysses_size not in (
+            None, choice.ulysses_size))):
+        return None
+    if choice.placement != laid:
+        raise ValueError(f"source: the batch's choice is {choice.placement!r} placement but its "
+                         f"rows are laid out {laid!r} (batch.choice is AutoPlacement's, of the "
+                         "shard it returned)")
+    return choice
 
 
 def _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens, device,
@@ -394,7 +430,8 @@ def context_parallel_attention(
     backend = backend or plan.backend or "auto"
     if isinstance(plan, PerDocumentPlan):
         return run_per_document(q, k, v, plan, scale, backend, sinks, return_lse)
-    be = get_backend(backend, q, plan.n_seqs, windowed=plan.windowed)
+    be = get_backend(backend, q, plan.n_seqs, windowed=plan.windowed,
+                     calibration=plan.calibration)
     out, lse = run_plan(q, k, v, plan, be, scale, sinks)
     return (out, lse) if return_lse else out
 

@@ -7,10 +7,14 @@ cut into CP shards by :func:`~cp_rope.parallel.shard_batch`.
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
 from .placement import DocumentPlacement
+
+if TYPE_CHECKING:
+    from .cost_model import Choice
 
 __all__ = ["PackedBatch"]
 
@@ -54,6 +58,12 @@ class PackedBatch:
             rows, ``cu_seqlens[-1] <= T`` (trailing padding). The batch's
             attention plan (``cp_rope.parallel.attention_plan(batch, ...)``) and
             ``unshard(..., placement=)`` read it.
+        choice: ``None``, or the :class:`~cp_rope.parallel.cost_model.Choice` that placed
+            this shard (:class:`~cp_rope.parallel.cost_model.AutoPlacement`,
+            ``placement="auto"``): its placement, split threshold and the method picked
+            with them. ``attention_plan(batch, method="auto")`` takes the method from it
+            (the batch's one decision, not a second one) and the plan carries it
+            (``plan.choice``).
     """
 
     input_ids: torch.Tensor
@@ -66,6 +76,7 @@ class PackedBatch:
     cp_rank: int = 0
     num_empty_dropped: int = 0
     placement: DocumentPlacement | None = None
+    choice: Choice | None = None
 
     _TENSORS = ("input_ids", "labels", "position_ids", "cu_seqlens", "seq_lens")
 

@@ -4,7 +4,10 @@ a JSON file format, and a measurement of the local GPU and links.
     python -m cp_rope.parallel.calibrate --out cal.json                 # one GPU: kernels, HBM
     torchrun --nproc-per-node 2 -m cp_rope.parallel.calibrate --out cal.json   # + links
 
-The trainers read the file with ``--cp-calibration PATH``. A file records the device name
+The trainers read the file with ``--cp-calibration PATH`` and pass it to every plan they build
+(``attention_plan(..., calibration=load_calibration(PATH))``; ``plan.calibration``): the
+constants of ``method="auto"`` / ``placement="auto"`` and of backend ``"auto"``'s FA4 / cuDNN
+crossover. Nothing keeps a calibration for the process. A file records the device name
 and the torch version it was measured with; :func:`load_calibration` refuses a file from
 another device or torch version, or one it cannot read, with its path in the message.
 
@@ -35,18 +38,17 @@ from ._calibration import (
     Calibration,
     CalibrationError,
     _device_name,
-    active_calibration,
+    calibration_or_default,
     default_calibration,
     load_calibration,
     save_calibration,
-    use_calibration,
 )
 from .attention import attention_plan, context_parallel_attention
 from .choices import BACKENDS
 
-__all__ = ["FORMAT", "NEVER", "Calibration", "CalibrationError", "active_calibration",
+__all__ = ["FORMAT", "NEVER", "Calibration", "CalibrationError", "calibration_or_default",
            "crossover_from", "default_calibration", "load_calibration", "measure",
-           "save_calibration", "use_calibration"]
+           "save_calibration"]
 
 
 # ------------------------------------------------------------------ measurement

@@ -49,12 +49,13 @@ import torch
 from cp_rope.validation import check_cp_args, check_int
 
 from . import _compat
-from ._calibration import Calibration, active_calibration
-from .choices import BACKEND_CHOICES
+from ._calibration import Calibration, calibration_or_default
+from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args, comm_volume
 
-__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_settings", "choose", "predict"]
+__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_methods", "candidate_settings", "choose",
+           "predict"]
 
 _FWD_BWD = 3.5  # fwd + bwd FLOPs / fwd FLOPs (flash-attention's convention)
 _ELEM = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
@@ -84,12 +85,17 @@ class Setting:
 class Choice:
     """What :func:`choose` picked: ``setting`` (also as ``method`` / ``placement`` /
     ``split_threshold`` / ``ulysses_size``), its predicted time ``ms`` (slowest rank,
-    forward + backward of one attention layer) and ``ranking``: every setting evaluated,
-    ``(ms, setting)`` sorted fastest first."""
+    forward + backward of one attention layer), ``ranking``: every setting evaluated,
+    ``(ms, setting)`` sorted fastest first, and what the prediction assumed: ``backend`` (the
+    block backend's throughput table) and ``source`` (the calibration's
+    :attr:`~cp_rope.parallel.calibrate.Calibration.source`). Read-only; an auto plan carries
+    it as ``plan.choice``, a batch placed by :class:`AutoPlacement` as ``batch.choice``."""
 
     setting: Setting
     ms: float
     ranking: tuple[tuple[float, Setting], ...]
+    backend: str = ""
+    source: str = ""
 
     method = property(lambda self: self.setting.method)
     placement = property(lambda self: self.setting.placement)
@@ -252,16 +258,13 @@ def _check_model_args(backend, calibration, q_heads, kv_heads) -> Calibration:
     :class:`Calibration`: a dict is not read) or the heads (what the plan refuses)."""
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r}: expected one of {list(BACKEND_CHOICES)}")
-    if calibration is not None and not isinstance(calibration, Calibration):
-        raise TypeError(f"calibration must be a Calibration (cp_rope.parallel.calibrate."
-                        f"load_calibration(path) reads a JSON file) or None, got "
-                        f"{type(calibration).__name__}")
+    calibration = calibration_or_default(calibration)
     hq = check_int("q_heads", q_heads, min_value=1)
     hkv = check_int("kv_heads", kv_heads, min_value=1)
     if hq % hkv:
         raise ValueError(f"q_heads={hq}: must be a multiple of kv_heads={hkv} (GQA; the "
                          "attention plan refuses it)")
-    return calibration or active_calibration()
+    return calibration
 
 
 def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_heads: int,
@@ -328,6 +331,36 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     return (max(ms), ms) if per_rank else max(ms)
 
 
+def candidate_methods(cp_size: int, q_heads: int, kv_heads: int,
+                      ulysses_size: int | None = None) -> list[tuple[str, int | None]]:
+    """Every ``(method, ulysses_size)`` that ``method="auto"`` compares, for each entry of
+    :data:`~cp_rope.parallel.choices.METHODS`: ring and allgather; the all-to-all methods at
+    every size U dividing ``cp_size`` and the heads (ulysses: U = cp_size; hybrid: each
+    ``1 < U < cp_size``, or only ``ulysses_size`` if given), by increasing U. The one list of
+    the chooser's methods: the trainers' self-test runs each of them (``launch/cp_startup``).
+
+    Raises: ValueError (``check_ulysses_args``'s message) for a ``ulysses_size`` the heads
+    or ``cp_size`` cannot run.
+    """
+    if ulysses_size is not None:
+        check_ulysses_args("hybrid", ulysses_size, cp_size, q_heads, kv_heads)
+    plain, a2a = [], []
+    for method in METHODS:
+        if method not in A2A_METHODS:
+            plain.append((method, None))
+            continue
+        sizes = ([cp_size] if cp_size > 1 else []) if method == "ulysses" else range(2, cp_size)
+        for u in sizes:
+            if cp_size % u or (ulysses_size is not None and u != ulysses_size):
+                continue
+            try:
+                check_ulysses_args("hybrid", u, cp_size, q_heads, kv_heads)
+            except ValueError:
+                continue
+            a2a.append((u, method))
+    return plain + [(m, None if m == "ulysses" else u) for u, m in sorted(a2a)]
+
+
 def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: int,
                        method: str = "auto", placement: str = "auto",
                        split_threshold: int | None = None,
@@ -349,22 +382,7 @@ def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int,
     C, _ = check_cp_args(cp_size, 0)
     lens = np.diff(cu)
     if method == "auto":
-        if ulysses_size is not None:
-            check_ulysses_args("hybrid", ulysses_size, C, q_heads, kv_heads)
-            methods = [("ring", None), ("allgather", None), ("hybrid", ulysses_size)] \
-                if 1 < ulysses_size < C else [("ring", None), ("allgather", None)]
-            if ulysses_size == C:
-                methods.append(("ulysses", None))
-        else:
-            methods = [("ring", None), ("allgather", None)]
-            for u in range(2, C + 1):
-                if C % u:
-                    continue
-                try:
-                    check_ulysses_args("hybrid", u, C, q_heads, kv_heads)
-                except ValueError:
-                    continue
-                methods.append(("ulysses", None) if u == C else ("hybrid", u))
+        methods = candidate_methods(C, q_heads, kv_heads, ulysses_size)
     else:
         check_ulysses_args(method, ulysses_size, C, q_heads, kv_heads)
         methods = [(method, ulysses_size if method == "hybrid" else None)]
@@ -416,7 +434,7 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
 
     Raises: as :func:`candidate_settings` and :func:`predict`.
     """
-    _check_model_args(backend, calibration, q_heads, kv_heads)  # before the candidates
+    calibration = _check_model_args(backend, calibration, q_heads, kv_heads)  # before candidates
     cands = candidate_settings(cu_seqlens, cp_size=cp_size, q_heads=q_heads, kv_heads=kv_heads,
                                head_dim=head_dim, method=method, placement=placement,
                                split_threshold=split_threshold, ulysses_size=ulysses_size)
@@ -430,7 +448,7 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
     best = ranking[0]
     if not math.isfinite(best[0]):
         raise ValueError("cost model: no finite prediction (calibration values invalid?)")
-    return Choice(best[1], best[0], ranking)
+    return Choice(best[1], best[0], ranking, backend=backend, source=calibration.source)
 
 
 class AutoPlacement:
@@ -438,21 +456,24 @@ class AutoPlacement:
     ``collator`` (a :class:`~cp_rope.parallel.PackingCollator` with ``cp_rank`` set and
     placement zigzag), picks the batch's placement and split threshold with :func:`choose`
     (jointly with the method, ``method`` may be fixed), and returns this rank's shard cut
-    that way. Every rank of the CP group packs the same global batch, so every rank picks
-    the same placement; the plan built from the shard with ``method="auto"``
-    (:func:`~cp_rope.parallel.attention_plan`) then picks the method for that placement.
-    ``last_choice``: the latest :class:`Choice` (for the step log).
+    that way, carrying the :class:`Choice` (``batch.choice``). Every rank of the CP group
+    packs the same global batch, so every rank picks the same; the plan built from the shard
+    (:func:`~cp_rope.parallel.attention_plan` with ``method="auto"`` or the chosen method)
+    takes the method from ``batch.choice`` and carries it as ``plan.choice``: one decision
+    per batch, made here.
 
     Args: ``collator``; the layer's ``q_heads``, ``kv_heads``, ``head_dim``, ``dtype``;
-    ``backend`` (throughput table), ``method``, ``ulysses_size``: as :func:`choose`.
+    ``backend`` (throughput table), ``method``, ``ulysses_size``, ``calibration`` (None: the
+    shipped defaults): as :func:`choose`. Pass the plan's own (its dtype, its calibration).
 
-    Raises: TypeError if ``collator`` is not a PackingCollator with ``cp_rank`` set; as
-    :func:`choose` per batch.
+    Raises: TypeError if ``collator`` is not a PackingCollator with ``cp_rank`` set, or
+    ``calibration`` is not a Calibration; as :func:`choose` per batch.
     """
 
     def __init__(self, collator, *, q_heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
-                 method: str = "auto", ulysses_size: int | None = None):
+                 method: str = "auto", ulysses_size: int | None = None,
+                 calibration: Calibration | None = None):
         from .collator import PackingCollator
 
         if not isinstance(collator, PackingCollator) or collator.cp_rank is None:
@@ -460,8 +481,8 @@ class AutoPlacement:
         self.collator = collator
         self.kw = dict(cp_size=collator.cp_size, q_heads=q_heads, kv_heads=kv_heads,
                        head_dim=head_dim, dtype=dtype, backend=backend, method=method,
-                       ulysses_size=ulysses_size)
-        self.last_choice: Choice | None = None
+                       ulysses_size=ulysses_size,
+                       calibration=calibration_or_default(calibration))
 
     def __call__(self, examples):
         from .sharding import shard_batch
@@ -469,8 +490,8 @@ class AutoPlacement:
         c = self.collator
         batch = c.pack(examples)
         choice = choose(batch.cu_seqlens, **self.kw)
-        self.last_choice = choice
-        return shard_batch(batch, c.cp_size, c.cp_rank, placement=choice.placement,
-                           split_threshold=choice.split_threshold, pad_id=c.pad_id,
-                           ignore_index=c.ignore_index,
-                           pad_to_multiple=(c.pad_to_multiple or c.cp_size) // c.cp_size)
+        shard = shard_batch(batch, c.cp_size, c.cp_rank, placement=choice.placement,
+                            split_threshold=choice.split_threshold, pad_id=c.pad_id,
+                            ignore_index=c.ignore_index,
+                            pad_to_multiple=(c.pad_to_multiple or c.cp_size) // c.cp_size)
+        return dataclasses.replace(shard, choice=choice)

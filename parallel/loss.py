@@ -39,9 +39,10 @@ from cp_rope.validation import (
 )
 
 from ._device import to_device
-from ._loss_impl import liger_function, loss_impl
+from ._loss_impl import liger_function, liger_missing, loss_impl
 
-__all__ = ["cp_cross_entropy", "cp_linear_cross_entropy", "loss_impl"]  # loss_impl: _loss_impl
+__all__ = ["cp_cross_entropy", "cp_linear_cross_entropy", "liger_missing",  # these two:
+           "loss_impl"]  # _loss_impl's
 
 
 class _GroupMean(torch.autograd.Function):

@@ -329,10 +329,12 @@ def run_per_document(q, k, v, plan: PerDocumentPlan, scale: float, backend: str,
     parts = []
     if plan.split is not None:
         parts.append(run_plan(qs, ks, vs, plan.split, get_backend(
-            backend, qs, plan.split.n_seqs, windowed=plan.split.windowed), scale, sinks))
+            backend, qs, plan.split.n_seqs, windowed=plan.split.windowed,
+            calibration=plan.calibration), scale, sinks))
     if n_whole or plan.split is None:
         parts.append(run_plan(qw, kw_, vw, plan.whole, get_backend(
-            backend, qw, plan.whole.n_seqs, windowed=plan.whole.windowed), scale, sinks))
+            backend, qw, plan.whole.n_seqs, windowed=plan.whole.windowed,
+            calibration=plan.calibration), scale, sinks))
     out = torch.cat([o for o, _ in parts]) if len(parts) > 1 else parts[0][0]
     if not return_lse:
         return out

@@ -97,9 +97,16 @@ def _version(t) -> int | None:
 
 class FrozenPlan:
     """Base of the plan kinds: read-only attributes (set only while building) and a check
-    that the tensors a plan was built from were not changed in place since."""
+    that the tensors a plan was built from were not changed in place since.
 
-    __slots__ = ("_frozen", "_stamps")
+    Every kind carries ``choice`` (what ``method="auto"`` / ``placement="auto"`` picked for
+    this batch: a :class:`~cp_rope.parallel.cost_model.Choice` with the predicted times and
+    the runners-up, ``choice.summary()`` for a log line; None when nothing was auto) and
+    ``calibration`` (the :class:`~cp_rope.parallel.calibrate.Calibration` the plan runs
+    with: the chooser's constants and backend ``"auto"``'s FA4 / cuDNN crossover; None for a
+    plan built without :func:`~cp_rope.parallel.attention_plan`: the shipped defaults)."""
+
+    __slots__ = ("_frozen", "_stamps", "choice", "calibration")
 
     def __setattr__(self, name, value):
         if getattr(self, "_frozen", False):
@@ -111,6 +118,9 @@ class FrozenPlan:
         raise AttributeError(f"plan: {type(self).__name__}.{name} is read-only")
 
     def _freeze(self, *tensors) -> None:
+        for name in ("choice", "calibration"):  # attention_plan records them (_record)
+            if not hasattr(self, name):
+                object.__setattr__(self, name, None)
         self._stamps = tuple((t, _version(t)) for t in tensors if isinstance(t, torch.Tensor))
         self._frozen = True
 
@@ -118,6 +128,23 @@ class FrozenPlan:
         raise TypeError(f"plan: a {type(self).__name__} cannot be copied or pickled (it holds "
                         "the process group and the batch's tensors); build one per batch with "
                         "cp_rope.parallel.attention_plan where it is used")
+
+    def _record(self, choice, calibration) -> None:
+        """Set :attr:`choice` (the auto decision of this batch, a
+        :class:`~cp_rope.parallel.cost_model.Choice`, or None) and :attr:`calibration` (the
+        constants of the cost model and of backend ``"auto"``'s crossover) on this plan and
+        every plan it holds (window variants, per-document parts): once, by
+        :func:`~cp_rope.parallel.attention_plan` right after the build."""
+        todo, seen = [self], set()
+        while todo:
+            plan = todo.pop()
+            if plan is None or id(plan) in seen:
+                continue
+            seen.add(id(plan))
+            object.__setattr__(plan, "choice", choice)
+            object.__setattr__(plan, "calibration", calibration)
+            todo.extend(getattr(plan, "_variants", {}).values())
+            todo.extend((getattr(plan, "split", None), getattr(plan, "whole", None)))
 
     def _stamp(self, t: torch.Tensor) -> None:
         """Guard a tensor the plan hands out (rope_args' positions) like its own inputs."""

@@ -15,7 +15,6 @@ from dist_utils import run_distributed
 
 from cp_rope.parallel import calibrate as calib
 from cp_rope.parallel import context_parallel_attention, shard_tensor, unshard
-from cp_rope.parallel._choose import last_choice
 from cp_rope.parallel.attention import attention_plan
 from cp_rope.parallel.cost_model import Setting, choose, predict
 
@@ -146,16 +145,12 @@ def _parity_body(rank, world):
         q, k, v = (torch.randn(int(cu[-1]), h, d, generator=gen, dtype=torch.float64)
                    for h in (hq, hkv, hkv))
         ref = naive_attention(q, k, v, cu, True, d ** -0.5)
-        calib.use_calibration(_steer(method))
-        try:
-            local_cu = cu // world
-            plan = attention_plan(local_cu, int(max(lens)) // world, q_heads=hq, kv_heads=hkv,
-                                  head_dim=d, dtype=torch.float64, device="cpu", group=group,
-                                  method="auto", backend="reference")
-        finally:
-            calib.use_calibration(None)
+        local_cu = cu // world
+        plan = attention_plan(local_cu, int(max(lens)) // world, q_heads=hq, kv_heads=hkv,
+                              head_dim=d, dtype=torch.float64, device="cpu", group=group,
+                              method="auto", backend="reference", calibration=_steer(method))
         want = method if world > 1 else "ring"
-        assert plan.method == want, (world, method, plan.method, last_choice().summary())
+        assert plan.method == want, (world, method, plan.method, plan.choice.summary())
         ql, kl, vl = (shard_tensor(t, cu, world, rank) for t in (q, k, v))
         out = context_parallel_attention(ql, kl, vl, plan=plan)
         got = unshard(out, local_cu, group) if world > 1 else out
@@ -173,14 +168,14 @@ def test_auto_float64_parity_for_each_method(world):
 def test_trainer_refuses_a_foreign_calibration_file_naming_it(tmp_path):
     from cp_rope.launch.cli import parse_args
     from cp_rope.launch.config import ConfigError
-    from cp_rope.launch.cp_startup import cp_start_up
+    from cp_rope.launch.cp_startup import cp_calibration
 
     path = str(tmp_path / "h100.json")
     calib.save_calibration(calib.default_calibration("NVIDIA H100"), path)
     cfg = parse_args(["--cp-calibration", path, "--cp-self-test", "off"])
     assert cfg.parallel.cp_calibration == path and cfg.parallel.cp_self_test == "off"
     with pytest.raises(ConfigError, match=r"parallel\.cp_calibration.*h100\.json.*NVIDIA H100"):
-        cp_start_up(cfg, None, 1, torch.device("cpu"), torch.float32, print)
+        cp_calibration(cfg, torch.device("cpu"))
 
 
 def _auto_placement_body(rank, world):
@@ -195,16 +190,13 @@ def _auto_placement_body(rank, world):
     for docs, cal, want in (([9, 1, 30, 7, 12, 5, 64], None, "per_document"),
                             ([1000], fast, "zigzag")):
         examples = [{"input_ids": torch.arange(1, n + 1) + 100 * i} for i, n in enumerate(docs)]
-        calib.use_calibration(cal)
-        try:
-            auto = AutoPlacement(PackingCollator(cp_size=world, cp_rank=rank), q_heads=4,
-                                 kv_heads=2, head_dim=16, dtype=torch.float64, backend="reference")
-            local = auto(examples)
-            assert auto.last_choice.placement == want, auto.last_choice.summary()
-            plan = attention_plan(local, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float64,
-                                  group=group, method="auto", backend="reference")
-        finally:
-            calib.use_calibration(None)
+        auto = AutoPlacement(PackingCollator(cp_size=world, cp_rank=rank), q_heads=4,
+                             kv_heads=2, head_dim=16, dtype=torch.float64, backend="reference",
+                             calibration=cal)
+        local = auto(examples)
+        assert local.choice.placement == want, local.choice.summary()
+        plan = attention_plan(local, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float64,
+                              group=group, method="auto", backend="reference", calibration=cal)
         q, k, v = (t[local.input_ids] for t in table)
         out = context_parallel_attention(q, k, v, plan=plan)
         got = unshard(out, local.cu_seqlens, group, placement=local.placement)

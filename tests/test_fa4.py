@@ -203,10 +203,12 @@ def test_split_block_partitions_segments():
 
 
 def test_get_backend_auto_rule(monkeypatch):
-    """auto: cuDNN + FA4 by the active calibration's crossover where both run; the one that
-    runs otherwise (FA4 beyond cuDNN's head_dim 128); an explicit fa4 that cannot run raises
-    naming it and the reason."""
-    from cp_rope.parallel._calibration import default_calibration, use_calibration
+    """auto: cuDNN + FA4 by the calibration's crossover (the plan's; None: the shipped one)
+    where both run; the one that runs otherwise (FA4 beyond cuDNN's head_dim 128); an explicit
+    fa4 that cannot run raises naming it and the reason."""
+    import dataclasses
+
+    from cp_rope.parallel._calibration import default_calibration
 
     runs = {"cudnn", "fa4", "reference"}
 
@@ -215,11 +217,12 @@ def test_get_backend_auto_rule(monkeypatch):
             return "head_dim"
         return None if b in runs else "no"
     monkeypatch.setattr(_blocks, "_unsupported", unsupported)
-    use_calibration(None)
     for d, cross in ((64, 1024), (128, 1024), (96, 1024)):
         be = _blocks.get_backend("auto", torch.zeros(4, 2, d), 3)
         assert isinstance(be, CudnnFa4) and be.crossover == cross == \
             default_calibration().crossover_at(d), (d, be.crossover)
+    mine = dataclasses.replace(default_calibration(), crossover={64: 77})
+    assert _blocks.get_backend("auto", torch.zeros(4, 2, 64), 3, calibration=mine).crossover == 77
     assert isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 192), 3), Fa4)
     runs.discard("fa4")
     assert isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 64), 3), CudnnTHD)

@@ -160,9 +160,9 @@ def test_fused_norm_takes_the_keyword_and_checks_its_module_argument():
 
 
 @pytest.mark.parametrize("flags, match", [
-    (["--loss-impl", "liger", "--device", "cpu"], "hf.loss_impl='liger'.*cpu"),
-    (["--loss-impl", "liger", "--loss-chunk-size", "512"], "hf.loss_impl='liger'.*chunk"),
-    (["--loss-impl", "torch", "--no-fused-loss"], "hf.loss_impl='torch'.*fused loss only"),
+    (["--loss-impl", "liger", "--device", "cpu"], "parallel.loss_impl='liger'.*cpu"),
+    (["--loss-impl", "liger", "--loss-chunk-size", "512"], "parallel.loss_impl='liger'.*chunk"),
+    (["--loss-impl", "torch", "--no-fused-loss"], "parallel.loss_impl='torch'.*fused loss only"),
 ])
 def test_finetune_refuses_loss_impl_combinations_up_front(tmp_path, flags, match):
     """Before any data or model is loaded (finetune_hf.resolve), naming the field."""

@@ -28,7 +28,6 @@ from cp_rope.launch.config import (
     ModelConfig,
     OptimConfig,
     PretrainConfig,
-    check_resume_config,
     to_dict,
     validate,
 )
@@ -36,6 +35,7 @@ from cp_rope.launch.model import Transformer
 from cp_rope.launch.optim import lr_lambda
 from cp_rope.launch.parallelize import apply_activation_checkpointing
 from cp_rope.launch.pretrain import main
+from cp_rope.launch.resume_config import check_resume_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -27,21 +27,24 @@ def _patch_of(model):
 
 
 def build_plan(patch, source, max_seqlen: int | None = None, *, dtype: torch.dtype, device,
-               n_tokens: int | None = None, _check=None):
+               n_tokens: int | None = None, calibration=None, _check=None):
     """:func:`cp_rope.parallel.attention_plan` for the layers of ``patch`` (a
     :class:`~cp_rope.hf.CPRopePatch`): its heads, group, method, backend, ``ulysses_size``,
     softmax scale, windows and sinks. ``source``: a PackedBatch, a DocumentPlacement or local
-    zigzag cu_seqlens (with ``max_seqlen``). Collective over the patch's group."""
+    zigzag cu_seqlens (with ``max_seqlen``); ``calibration``: as ``attention_plan``'s.
+    Collective over the patch's group."""
     hq, hkv, d = patch.shape
     return _attention_plan(source, max_seqlen, q_heads=hq, kv_heads=hkv, head_dim=d,
                            dtype=dtype, device=device, group=patch.group, method=patch.method,
                            backend=patch.backend, ulysses_size=patch.ulysses_size,
                            softmax_scale=patch.scale, n_tokens=n_tokens,
-                           window=list(patch.layers[0]), sinks=patch.layers[1], _check=_check)
+                           window=list(patch.layers[0]), sinks=patch.layers[1],
+                           calibration=calibration, _check=_check)
 
 
 def attention_plan(model, batch, max_seqlen: int | None = None, *,
-                   dtype: torch.dtype | None = None, device=None, n_tokens: int | None = None):
+                   dtype: torch.dtype | None = None, device=None, n_tokens: int | None = None,
+                   calibration=None):
     """The attention plan of this rank's host ``batch`` for the patched ``model`` (collective
     over the patch's group): pass it as ``model(**model_inputs(batch, plan))``.
 
@@ -52,6 +55,9 @@ def attention_plan(model, batch, max_seqlen: int | None = None, *,
         dtype: the compute dtype of q/k/v (default: the input embedding's weight dtype).
         device: where the forward runs (default: the input embedding's device).
         n_tokens: rows of ``input_ids`` (default: the batch's).
+        calibration: the CP cost model's constants (a
+            :class:`~cp_rope.parallel.calibrate.Calibration`; None: the shipped defaults), as
+            :func:`cp_rope.parallel.attention_plan`'s.
 
     Raises: ValueError for an unpatched model; as :func:`cp_rope.parallel.attention_plan`
     (and ``input_ids`` outside the vocabulary, ``max_length_q`` past a length-dependent
@@ -70,7 +76,7 @@ def attention_plan(model, batch, max_seqlen: int | None = None, *,
 
     return build_plan(patch, batch, max_seqlen, dtype=dtype or embed.weight.dtype,
                       device=embed.weight.device if device is None else device,
-                      n_tokens=n_tokens, _check=check)
+                      n_tokens=n_tokens, calibration=calibration, _check=check)
 
 
 def check_rope_length(patch, max_len: int) -> None:
