@@ -29,6 +29,8 @@ class LayoutInfo:
         cp_size: C; q_heads, kv_heads, head_dim, dtype, device, causal: the layer's.
         method, placement, split_threshold, ulysses_size: what the caller asked for
             (``"auto"`` where the chooser decides).
+        window: the plan's ``window`` argument (an int, None, or every layer's list): the
+            cost model counts what the window leaves of the work and the bytes.
     """
 
     global_cu_seqlens: torch.Tensor
@@ -45,6 +47,7 @@ class LayoutInfo:
     placement: str | None
     split_threshold: int | None
     ulysses_size: int | None
+    window: int | None | list = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +100,8 @@ def choose_strategy(info: LayoutInfo) -> Strategy:
                         kv_heads=info.kv_heads, head_dim=info.head_dim, dtype=info.dtype,
                         backend=backend, method=info.method, placement=placement,
                         split_threshold=threshold,
-                        ulysses_size=info.ulysses_size, calibration=active_calibration())
+                        ulysses_size=info.ulysses_size, calibration=active_calibration(),
+                        window=info.window)
     except ValueError as exc:
         raise ValueError(f"method={info.method!r}, placement={info.placement!r} (auto) cannot "
                          f"honour the other settings: {exc}") from exc

@@ -130,7 +130,8 @@ def attention_plan(
                 head_dim=head_dim, dtype=dtype, device=torch.device(kw["device"]),
                 causal=causal, method=method, placement=placement,
                 split_threshold=(kw["placement"].split_threshold if laid == "per_document"
-                                 else split_threshold), ulysses_size=ulysses_size)
+                                 else split_threshold), ulysses_size=ulysses_size,
+                window=window)
             choice = choose_strategy(info)
             if choice.placement != laid:
                 raise ValueError(f"placement: the chooser picked {choice.placement!r} but the "
