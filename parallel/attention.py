@@ -35,7 +35,7 @@ from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
 from ._blocks import get_backend
 from ._choose import LayoutInfo, choose_strategy
 from ._dispatch import run_plan
-from ._window import check_sinks
+from ._window import check_sinks, check_windows
 from .batch import PackedBatch
 from .choices import AUTO, PLACEMENTS, Backend, Method
 from .per_document import PerDocumentPlan, check_per_document_rows, run_per_document
@@ -123,6 +123,7 @@ def attention_plan(
         laid = kw.pop("laid")
         layout = kw.pop("layout")  # host cu_seqlens, read only for the chooser
         if AUTO in (method, placement):
+            check_windows(window, causal)  # named as the build names it, before it is priced
             global_cu, local_cu = layout()
             info = LayoutInfo(
                 global_cu_seqlens=global_cu, local_cu_seqlens=local_cu,

@@ -368,3 +368,8 @@ def test_the_plan_passes_its_window_to_auto():
         assert choose_strategy(dataclasses.replace(info, window=[256, 256])).method == "ring"
     finally:
         calib.use_calibration(None)
+    # a bad window is named as the plan names it, not as a setting auto cannot honour
+    cu = torch.tensor([0, 10, 30], dtype=torch.int32)
+    with pytest.raises(ValueError, match=r"^window must be >= 1, got 0$"):
+        attention_plan(cu, 20, q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float32,
+                       device="cpu", method="auto", window=0)
