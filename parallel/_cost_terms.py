@@ -14,6 +14,8 @@ from ._calibration import Calibration
 from ._window_cost import allgather_segments, ring_segments, whole_segments
 from .ulysses import comm_volume
 
+__all__ = ["method_time", "whole_time"]
+
 _FWD_BWD = 3.5  # fwd + bwd FLOPs / fwd FLOPs (flash-attention's convention)
 
 
