@@ -28,7 +28,7 @@ from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS,
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "check_loss_impl",
+    "check_loss_impl", "check_seq_len",
 ]
 
 
@@ -232,8 +232,7 @@ def gpt_125m() -> PretrainConfig:
     return PretrainConfig(
         model=ModelConfig(dim=768, n_layers=12, n_heads=12, n_kv_heads=4, ffn_hidden_dim=2048),
         data=DataConfig(seq_len=8192, tokens_per_batch=65536),
-        optim=OptimConfig(lr=6e-4, warmup_steps=100),
-        train=TrainConfig(steps=1000, log_every=10))
+        optim=OptimConfig(lr=6e-4, warmup_steps=100), train=TrainConfig(steps=1000, log_every=10))
 
 
 def llama_1b() -> PretrainConfig:
@@ -242,8 +241,7 @@ def llama_1b() -> PretrainConfig:
         model=ModelConfig(dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_hidden_dim=8192,
                           rope_base=500000.0),
         data=DataConfig(seq_mode="concat", seq_len=65536, tokens_per_batch=65536),
-        optim=OptimConfig(lr=3e-4, warmup_steps=50),
-        train=TrainConfig(steps=500, log_every=10))
+        optim=OptimConfig(lr=3e-4, warmup_steps=50), train=TrainConfig(steps=500, log_every=10))
 
 
 def llama3_8b() -> PretrainConfig:
@@ -252,8 +250,7 @@ def llama3_8b() -> PretrainConfig:
         model=ModelConfig(dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_hidden_dim=14336,
                           rope_base=500000.0, activation_checkpointing="full"),
         data=DataConfig(seq_mode="concat", seq_len=131072, tokens_per_batch=131072),
-        optim=OptimConfig(lr=3e-4, warmup_steps=100),
-        train=TrainConfig(steps=1000, log_every=1))
+        optim=OptimConfig(lr=3e-4, warmup_steps=100), train=TrainConfig(steps=1000, log_every=1))
 
 
 PRESETS = {"tiny": tiny, "125m": gpt_125m, "1b": llama_1b, "8b": llama3_8b}
@@ -276,6 +273,13 @@ def to_dict(cfg: PretrainConfig) -> dict:
 def _require(ok: bool, where: str, value: Any, why: str) -> None:
     if not ok:
         raise ConfigError(f"{where}={value!r}: {why}")
+
+
+def check_seq_len(seq_len: int, cp_size: int) -> None:
+    """The trainers' rule for ``data.seq_len`` at ``cp_size`` (ConfigError naming the field)."""
+    _require(seq_len >= 2, "data.seq_len", seq_len, "must be >= 2 tokens")
+    _require(seq_len % (2 * cp_size) == 0, "data.seq_len", seq_len,
+             f"must be a multiple of 2 * cp_size = {2 * cp_size} (zigzag CP chunks)")
 
 
 MAX_TIMEOUT_S = 7 * 24 * 3600
@@ -351,9 +355,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
         _require(world_size % p.cp_size == 0, "parallel.cp_size", p.cp_size,
                  f"must divide the world size {world_size} (data-parallel size = world / cp_size "
                  f"= {world_size} / {p.cp_size} is not an integer)")
-    _require(d.seq_len >= 2, "data.seq_len", d.seq_len, "must be >= 2 tokens")
-    _require(d.seq_len % (2 * p.cp_size) == 0, "data.seq_len", d.seq_len,
-             f"must be a multiple of 2 * cp_size = {2 * p.cp_size} (zigzag CP chunks)")
+    check_seq_len(d.seq_len, p.cp_size)
     _require(d.tokens_per_batch >= d.seq_len, "data.tokens_per_batch", d.tokens_per_batch,
              f"must hold one sequence of data.seq_len={d.seq_len} tokens")
     _require(d.max_docs is None or d.max_docs >= 1, "data.max_docs", d.max_docs, "must be >= 1")
@@ -456,8 +458,7 @@ def check_loss_impl(impl: str, *, fused: bool, chunk_size: int, device: str,
              "auto / torch)")
 
 
-NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {
-}
+NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {}
 """Choices the config declares but the trainer does not run yet (their flags exist so that
 scripts and docs can name them). Wiring one in means deleting it here, and only here."""
 

@@ -14,13 +14,15 @@ The model (bytes per GPU; ``T`` = tokens per step of a CP group, ``T/C`` per
 rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
 
 * parameters: fp32 shards ``4P/N`` + the bf16 root (embedding, head) and two
-  gathered layers (the current one and FSDP2's prefetch);
+  gathered layers (the current one and FSDP2's prefetch); a mixture of experts counts
+  every expert and the router (:class:`~cp_rope.launch.memory_shapes.Shapes`);
 * gradients: at the peak (the start of backward) only the root's and one
   layer's exist unsharded (fp32 reduce); the optimizer step holds ``4P/N``;
 * optimizer: AdamW's two fp32 moments, ``8P/N``;
 * saved activations: per token per layer, what autograd keeps (counted from
   the operators: norms keep their input, linears theirs, attention q, k, v, its
-  output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors; ``full``
+  output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors (a MoE token: of each
+  of its ``num_experts_per_tok`` experts, and the router's probabilities); ``full``
   keeps the layer input, ``selective`` the input, attention output and LSE);
   with offload, two layers' worth in flight on the GPU;
 * the peak is the larger of two phases, and the components printed are that
@@ -35,7 +37,16 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
   attention, dout, dq/dk/dv, the residual's gradient and cuDNN's backward
   workspace ``3 T Hq (D + 1)`` fp32, :data:`CUDNN_BWD_WORKSPACE`);
 * attention workspace: LSE and softmax statistics, fp32 dq/dk/dv accumulators under CP;
-* communication: the ring's K/V receive buffers (all-gather: every rank's K/V).
+* communication: the ring's K/V receive buffers (all-gather: every rank's K/V); with
+  sliding windows on every layer the windowed ring receives only the ``W - 1`` keys before
+  each chunk (attention memory is per query otherwise: saved q/k/v/output/LSE and cuDNN's
+  workspace do not grow with the keys a window reaches); the step time ranking settings
+  counts each layer's windowed pairs (:func:`cp_rope.parallel.cost_model.causal_pairs`).
+
+``--model DIR`` reads the config with :func:`cp_rope.hf.local_config` (a supported family,
+else one line naming them; its ``sliding_window`` / ``layer_types`` are reported); the
+sequence (``--doc-len``, default ``--seq-len``) must pass the trainers' own check
+(:func:`cp_rope.launch.config.check_seq_len`: a multiple of ``2 * cp_size``).
 
 Calibrated on one H200 (docs/benchmarks.md, Memory rounds 1-4): every measured peak
 within 10 %: ``--preset 1b`` none at 65,536 tokens (+0.4 %), full at 131,072 /
@@ -49,12 +60,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass
 
-from .config import PRESETS, ConfigError, ModelConfig
+from cp_rope.parallel.cost_model import causal_pairs
+
+from .config import PRESETS, ConfigError, check_seq_len
+from .memory_shapes import Shapes
 
 __all__ = ["Shapes", "Settings", "estimate", "candidates", "choose", "auto_settings", "main", "GIB"]
 
@@ -70,58 +82,6 @@ HEADROOM = 0.88
 peaks is 9.9 % under (module docstring), plus room for the allocator's fragmentation."""
 ASSUMED_FLOPS = 0.4 * 989e12
 """Achieved bf16 FLOP/s assumed when ranking settings by time (only the order matters)."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class Shapes:
-    """What the memory model needs of a decoder-only model."""
-
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn: int
-    vocab: int
-    tied: bool = False
-    qk_norm: bool = False
-    """Per-head q/k RMSNorm (Qwen3): two more saved tensors per layer."""
-
-    @property
-    def layer_params(self) -> int:
-        q, kv = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        return self.dim * (2 * q + 2 * kv) + 3 * self.dim * self.ffn + 2 * self.dim
-
-    @property
-    def root_params(self) -> int:
-        return self.vocab * self.dim * (1 if self.tied else 2) + self.dim
-
-    @property
-    def params(self) -> int:
-        return self.n_layers * self.layer_params + self.root_params
-
-    @classmethod
-    def from_model_config(cls, m: ModelConfig) -> Shapes:
-        """cp_rope's Transformer (vocab_size 0: the byte tokenizer's 320)."""
-        return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                   head_dim=m.dim // m.n_heads, ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320)
-
-    @classmethod
-    def from_hf_dir(cls, path: str) -> Shapes:
-        """A transformers ``config.json`` (read as JSON; no transformers import)."""
-        f = os.path.join(path, "config.json")
-        if not os.path.isfile(f):
-            raise ConfigError(f"model={path!r}: no config.json there")
-        with open(f) as fh:
-            c = json.load(fh)
-        c = c.get("text_config", c)
-        heads = c["num_attention_heads"]
-        return cls(dim=c["hidden_size"], n_layers=c["num_hidden_layers"], n_heads=heads,
-                   n_kv_heads=c.get("num_key_value_heads") or heads,
-                   head_dim=c.get("head_dim") or c["hidden_size"] // heads,
-                   ffn=c["intermediate_size"], vocab=c["vocab_size"],
-                   tied=bool(c.get("tie_word_embeddings", False)),
-                   qk_norm=c.get("model_type") in ("qwen3", "qwen3_moe"))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -154,8 +114,10 @@ def _per_token_layer(s: Shapes, mode: str, tiled: bool) -> tuple[int, int]:
     everything = 2 * (4 * d + 2 * q + 2 * kv) + lse + 8
     if s.qk_norm:
         everything += 2 * (q + kv)
-    if not tiled:  # w1 x, w3 x, silu(w1 x), their product
-        everything += 2 * 4 * s.ffn
+    if s.n_moe:  # the router's fp32 probabilities, each token's copies for its experts
+        everything += 4 * s.n_experts + 2 * s.experts_per_tok * d
+    if not tiled:  # w1 x, w3 x, silu(w1 x), their product (a MoE token: of each of its experts)
+        everything += 2 * 4 * s.act_ffn
     kept = {"none": everything, "full": 2 * d, "selective": 2 * d + 2 * q + lse}[mode]
     return kept, everything
 
@@ -207,11 +169,11 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
     # tensors and the MLP's transients) and its attention backward (what is recomputed up to
     # the attention, dout, dq/dk/dv, the residual's gradient and cuDNN's backward workspace).
     checkpointed = st.activation_checkpointing != "none"
-    transient = 2 * 2 * s.ffn if not tiled else 2 * 2 * d  # the MLP's input gradients
+    transient = 2 * 2 * s.act_ffn if not tiled else 2 * 2 * d  # the MLP's input gradients
     tile = min(st.mlp_tile_tokens or t, t)
     mlp = t * ((everything if checkpointed else 0) + transient) + \
-        (tile * 2 * 7 * s.ffn if tiled else 0)
-    before_attention = everything - 2 * 2 * d - (0 if tiled else 2 * 4 * s.ffn)
+        (tile * 2 * 7 * s.act_ffn if tiled else 0)
+    before_attention = everything - 2 * 2 * d - (0 if tiled else 2 * 4 * s.act_ffn)
     attention = t * ((before_attention if checkpointed else 0) + 2 * q + 2 * (q + 2 * kv)
                      + 2 * d + CUDNN_BWD_WORKSPACE * s.n_heads * (s.head_dim + 1))
     at_layer = {"saved activations": t * kept * (in_flight - checkpointed),
@@ -222,12 +184,20 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
         comm = 0
     elif cp_method == "allgather":
         comm = cp * t * 2 * kv * 2
-    else:
-        comm = 2 * t * 2 * kv * 2
+    else:  # two receive buffers of the widest layer's step
+        comm = 2 * _ring_rows(s, tokens, t, doc_len or tokens) * 2 * kv * 2
     out["communication"] = comm
     out["total"] = max(sum(out.values()), 16 * s.params // n)  # the optimizer step's peak
     out["host (pinned)"] = t * s.n_layers * kept if st.offload_activations else 0
     return out
+
+
+def _ring_rows(s: Shapes, tokens: int, t: int, doc: int) -> int:
+    """K/V rows a ring step receives per rank in the layer that receives most: ``t`` for a
+    full layer; a windowed one (cp_rope.parallel's windowed ring) receives only the ``W - 1``
+    rows before each of its two chunks of each of the ``tokens / doc`` documents."""
+    docs = -(-tokens // doc)
+    return max(t if w is None else min(t, docs * 2 * (w - 1)) for w in (s.windows or (None,)))
 
 
 def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
@@ -237,9 +207,11 @@ def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int =
     t = tokens / cp
     doc = min(doc_len or tokens, tokens)
     q = s.n_heads * s.head_dim
-    dense = 2 * s.n_layers * s.layer_params * t
-    mlp = 2 * s.n_layers * 3 * s.dim * s.ffn * t
-    attn = 2 * s.n_layers * t * doc * q  # causal: QK^T and PV over half the square
+    dense = 2 * s.n_layers * s.active_layer_params * t  # a MoE token: its experts only
+    mlp = 2 * s.n_layers * 3 * s.dim * s.act_ffn * t
+    # QK^T and PV over the (query, key) pairs each layer's causal window sees
+    pairs = sum(int(causal_pairs([doc], w)[0]) for w in (s.windows or (None,) * s.n_layers))
+    attn = 4 * t * q * pairs / doc
     flops = 3 * (dense + attn + 2 * s.vocab * s.dim * t)
     flops += {"none": 0, "selective": dense, "full": dense + attn}[st.activation_checkpointing]
     if st.mlp_tile_tokens:  # the tiled MLP's own recomputation in backward
@@ -384,6 +356,11 @@ def main(argv: list[str] | None = None) -> dict:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.doc_len > args.seq_len:
         p.error(f"--doc-len must be <= --seq-len ({args.seq_len}), got {args.doc_len}")
+    try:  # the trainers' rule for the sequence (data.seq_len) at this cp size
+        check_seq_len(args.doc_len or args.seq_len, args.cp_size)
+    except ConfigError as exc:
+        p.error(f"--{'doc' if args.doc_len else 'seq'}-len at --cp-size {args.cp_size}: the "
+                f"trainers refuse it: {exc}")
     try:
         s = _shapes(args)
     except ConfigError as exc:
@@ -391,6 +368,8 @@ def main(argv: list[str] | None = None) -> dict:
     kw = dict(tokens=args.seq_len, cp=args.cp_size, dp=args.dp_size, doc_len=args.doc_len or None)
     where = (f"{args.model or '--preset ' + args.preset}: {s.params / 1e9:.2f}B params, "
              f"{args.seq_len:,} tokens/step, cp {args.cp_size} x dp {args.dp_size}, per GPU")
+    if s.window_note():
+        where += f"\n  {s.window_note()}"
     if args.activation_checkpointing:
         st = Settings(activation_checkpointing=args.activation_checkpointing,
                       offload_activations=args.offload_activations,

@@ -37,6 +37,8 @@ class LayoutInfo:
         method, placement, split_threshold, ulysses_size: what the caller asked for
             (``"auto"`` where the chooser decides).
         calibration: the cost model's constants (the plan's ``calibration``).
+        window: the plan's ``window`` argument (an int, None, or every layer's list): the
+            cost model counts what the window leaves of the work and the bytes.
     """
 
     global_cu_seqlens: torch.Tensor
@@ -54,6 +56,7 @@ class LayoutInfo:
     split_threshold: int | None
     ulysses_size: int | None
     calibration: Calibration
+    window: int | None | list = None
 
 
 def choose_strategy(info: LayoutInfo) -> Choice:
@@ -83,7 +86,8 @@ def choose_strategy(info: LayoutInfo) -> Choice:
                         kv_heads=info.kv_heads, head_dim=info.head_dim, dtype=info.dtype,
                         backend=backend, method=info.method, placement=placement,
                         split_threshold=threshold,
-                        ulysses_size=info.ulysses_size, calibration=info.calibration)
+                        ulysses_size=info.ulysses_size, calibration=info.calibration,
+                        window=info.window)
     except ValueError as exc:
         raise ValueError(f"method={info.method!r}, placement={info.placement!r} (auto) cannot "
                          f"honour the other settings: {exc}") from exc

@@ -36,7 +36,7 @@ from ._blocks import get_backend
 from ._calibration import Calibration, calibration_or_default
 from ._choose import LayoutInfo, choose_strategy
 from ._dispatch import run_plan
-from ._window import check_sinks
+from ._window import check_sinks, check_windows
 from .batch import PackedBatch
 from .choices import AUTO, PLACEMENTS, Backend, Method
 from .per_document import PerDocumentPlan, check_per_document_rows, run_per_document
@@ -141,6 +141,7 @@ def attention_plan(
         if choice is not None:  # the batch's one decision (AutoPlacement), not a second one
             method, ulysses_size = choice.method, choice.ulysses_size
         elif AUTO in (method, placement):
+            check_windows(window, causal)  # named as the build names it, before it is priced
             global_cu, local_cu = layout()
             info = LayoutInfo(
                 global_cu_seqlens=global_cu, local_cu_seqlens=local_cu,
@@ -149,7 +150,7 @@ def attention_plan(
                 causal=causal, method=method, placement=placement,
                 split_threshold=(kw["placement"].split_threshold if laid == "per_document"
                                  else split_threshold), ulysses_size=ulysses_size,
-                calibration=calibration)
+                calibration=calibration, window=window)
             choice = choose_strategy(info)
             if choice.placement != laid:
                 raise ValueError(f"placement: the chooser picked {choice.placement!r} but the "

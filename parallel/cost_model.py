@@ -28,6 +28,12 @@ The model (times in seconds, one rank, one layer, forward + backward):
   the all-gather's forward gather overlaps the local block; all-to-alls and the
   reduce-scatter are exposed. Exchanges among more than ``node_size`` ranks run at
   ``internode_gbps`` (hybrid keeps its all-to-all of U <= node_size ranks inside a node).
+* **window** -- a left window ``W`` (one per layer, or the list of a model's layers: the
+  average layer) leaves each block the (query, key) pairs it reaches (a causal document of
+  ``n`` tokens has :func:`causal_pairs` ``= sum_p min(p + 1, W)``; :mod:`._window_cost`),
+  and the windowed ring sends only the rows its peers see (``comm_volume(..., window=W)``:
+  a halo of ``W - 1`` rows per chunk when W is below the chunk length); steps that meet no
+  key cost nothing. All-gather and Ulysses move the same bytes with a window.
 * **placement** -- per-document: :func:`~cp_rope.parallel.place_documents` gives each rank
   its whole documents (one local causal call) and the split documents run the method
   first (the per-document executor's order); the step time is the
@@ -48,16 +54,17 @@ import torch
 
 from cp_rope.validation import check_cp_args, check_int
 
-from . import _compat
 from ._calibration import Calibration, calibration_or_default
+from ._cost_terms import method_time, whole_time
+from ._window import check_window, effective_window
+from ._window_cost import causal_pairs
 from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
 from .placement import default_split_threshold, place_documents
-from .ulysses import check_ulysses_args, comm_volume
+from .ulysses import check_ulysses_args
 
-__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_methods", "candidate_settings", "choose",
-           "predict"]
+__all__ = ["AutoPlacement", "Choice", "Setting", "candidate_methods", "candidate_settings",
+           "causal_pairs", "choose", "predict"]
 
-_FWD_BWD = 3.5  # fwd + bwd FLOPs / fwd FLOPs (flash-attention's convention)
 _ELEM = {torch.float64: 8, torch.float32: 4, torch.float16: 2, torch.bfloat16: 2}
 
 
@@ -108,139 +115,6 @@ class Choice:
         return f"auto: {self.setting} {self.ms:.3g} ms" + (f" (next: {rest})" if rest else "")
 
 
-# ------------------------------------------------------------------ compute of blocks
-
-def _seg_time(cal: Calibration, backend: str, pairs: np.ndarray, lq: np.ndarray, heads: int,
-              head_dim: int, lk: np.ndarray | None = None) -> float:
-    """Seconds of one block call: ``call_us``, plus per segment (int64 arrays ``pairs``,
-    ``lq`` query rows, ``lk`` key rows; ``lk=None``: causal, ``lk = lq``) and head
-    ``seg_ns``, plus the FLOPs of the kernel's ``tile x tile`` tiles the segment touches
-    (a partly masked or partly filled tile costs a full one) at the throughput of the
-    segment's size (``pairs / lq`` keys per query row, ``Calibration.tflops_at``)."""
-    keep = (pairs > 0) & (lq > 0)
-    if not keep.any():
-        return 0.0
-    pairs, lq = pairs[keep].astype(np.float64), lq[keep].astype(np.float64)
-    B = float(cal.tile)
-    nq = np.ceil(lq / B)
-    if lk is None:
-        tiles = nq * (nq + 1) / 2
-    else:
-        tiles = nq * np.ceil(lk[keep].astype(np.float64) / B)
-    calls = 1
-    if backend == "auto":  # get_backend's per-segment rule: FA4 from the crossover up
-        cross = _auto_crossover(cal, head_dim)
-        if cross is None:
-            tflops = cal.tflops_at("cudnn", pairs / lq)
-        else:
-            on_fa4 = lq >= cross
-            tflops = np.where(on_fa4, cal.tflops_at("fa4", pairs / lq),
-                              cal.tflops_at("cudnn", pairs / lq))
-            calls = 1 + int(on_fa4.any() and not on_fa4.all())
-    else:
-        tflops = cal.tflops_at(backend, pairs / lq)
-    flops = _FWD_BWD * 4.0 * np.maximum(tiles * B * B, pairs) * heads * head_dim
-    return (float(np.sum(flops / (tflops * 1e12))) + calls * cal.call_us * 1e-6
-            + pairs.size * heads * cal.seg_ns * 1e-9)
-
-
-def _auto_crossover(cal: Calibration, head_dim: int) -> int | None:
-    """The crossover ``backend="auto"`` runs with (:func:`~cp_rope.parallel._blocks.get_backend`):
-    the calibration's for ``head_dim`` when it has an ``fa4`` table and FA4 is importable here
-    (the same install on every rank), else None (cuDNN alone)."""
-    if "fa4" not in cal.tflops or _compat.fa4_unavailable() is not None:
-        return None
-    return cal.crossover_at(head_dim)
-
-
-def _causal(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    return lens * (lens + 1) // 2, lens
-
-
-def _ring_steps(cal, backend, lens, C, r, heads, D) -> list[float]:
-    """Compute seconds of ring steps ``0 .. C-1`` on rank ``r``: ``lens`` are the *global*
-    lengths of the ring's documents (divisible by 2C), ``heads`` the q heads run."""
-    loc = lens // C
-    c = loc // 2
-    steps = [_seg_time(cal, backend, *_causal(loc), heads, D)]
-    first = _seg_time(cal, backend, loc * c, loc, heads, D, c)   # src < r: all q x chunk src
-    second = _seg_time(cal, backend, c * loc, c, heads, D, loc)  # src > r: second half x all
-    for i in range(1, C):
-        steps.append(first if (r - i) % C < r else second)
-    return steps
-
-
-def _ring_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc, link_gbps) -> float:
-    """Ring of C ranks over documents ``lens`` (global), exchanges overlapped with steps."""
-    if lens.size == 0 or not lens.any():
-        return 0.0
-    steps = _ring_steps(cal, backend, lens, C, r, hq, D)
-    if C == 1:
-        return steps[0]
-    rows = int(lens.sum()) // C
-    vol = comm_volume("ring", n_tokens=rows, q_heads=hq, kv_heads=hkv, head_dim=D,
-                      cp_size=C, elem_bytes=elem, acc_bytes=acc)
-    per_step = (vol["forward"] + vol["backward"]) / (C - 1) / (link_gbps * 1e9) \
-        + 2 * cal.latency_us * 1e-6
-    merge = (C - 1) * cal.merge_bytes_per_row * rows * hq * D / (cal.hbm_gbps * 1e9)
-    # steps 0 .. C-2 hide the next exchange; the backward's dK/dV return hop is exposed
-    hidden = sum(max(t, per_step) for t in steps[:-1]) + steps[-1]
-    last_hop = 2 * rows * hkv * D * (elem if C == 2 else acc) / (link_gbps * 1e9)
-    return hidden + merge + last_hop + cal.latency_us * 1e-6
-
-
-def _allgather_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc) -> float:
-    """All-gather CP over documents ``lens`` (global lengths divisible by 2C) on rank r."""
-    if lens.size == 0 or not lens.any():
-        return 0.0
-    c = lens // (2 * C)
-    pc, _ = _causal(c)
-    local = _seg_time(cal, backend, np.concatenate([pc, pc]), np.concatenate([c, c]), hq, D)
-    glob = (_seg_time(cal, backend, c * (r * c), c, hq, D, r * c)
-            + _seg_time(cal, backend, c * ((2 * C - 1 - r) * c), c, hq, D, (2 * C - 1 - r) * c))
-    rows = int(lens.sum()) // C
-    vol = comm_volume("allgather", n_tokens=rows, q_heads=hq, kv_heads=hkv, head_dim=D,
-                      cp_size=C, elem_bytes=elem, acc_bytes=acc)
-    bw = (cal.collective_gbps if C <= cal.node_size else cal.internode_gbps) * 1e9
-    gather = vol["overlapped"] / bw + cal.latency_us * 1e-6
-    exposed = (vol["forward"] + vol["backward"] - vol["overlapped"]) / bw \
-        + 2 * cal.latency_us * 1e-6
-    # the gathered K/V (input dtype) and their fp32 gradient, written and read once each
-    mem = C * rows * 2 * hkv * D * (2 * elem + 2 * acc) + cal.merge_bytes_per_row * rows * hq * D
-    return max(local, gather) + glob + exposed + mem / (cal.hbm_gbps * 1e9)
-
-
-def _a2a_time(cal, backend, lens, C, r, U, hq, hkv, D, elem, acc) -> float:
-    """Ulysses (U = C) / hybrid: all-to-all over U ranks, then a ring of C / U ranks with
-    ``hq / U`` heads over chunks U times longer."""
-    if lens.size == 0 or not lens.any():
-        return 0.0
-    R = C // U
-    rows = int(lens.sum()) // C
-    method = "ulysses" if U == C else "hybrid"
-    vol = comm_volume(method, n_tokens=rows, q_heads=hq, kv_heads=hkv, head_dim=D, cp_size=C,
-                      ulysses_size=None if U == C else U, elem_bytes=elem, acc_bytes=acc)
-    a2a_bytes = vol["forward"] + vol["backward"] - vol["overlapped"]
-    a2a_link = cal.a2a_gbps if U <= cal.node_size else cal.internode_gbps
-    a2a = a2a_bytes / (a2a_link * 1e9) + 4 * cal.latency_us * 1e-6
-    # pack / unpack of every all-to-all buffer (read + write on both sides)
-    mem = 2 * a2a_bytes * U / max(U - 1, 1) / (cal.hbm_gbps * 1e9)
-    # the ring joins ranks U apart: across nodes once the group spans more than one
-    ring = _ring_time(cal, backend, lens, R, r // U, hq // U, max(hkv // U, 1), D, elem, acc,
-                      cal.p2p_gbps if C <= cal.node_size else cal.internode_gbps)
-    return a2a + mem + ring
-
-
-def _method_time(cal, backend, s: Setting, lens, C, r, hq, hkv, D, elem, acc) -> float:
-    if s.method == "ring":
-        link = cal.p2p_gbps if C <= cal.node_size else cal.internode_gbps
-        return _ring_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc, link)
-    if s.method == "allgather":
-        return _allgather_time(cal, backend, lens, C, r, hq, hkv, D, elem, acc)
-    U = C if s.method == "ulysses" else s.ulysses_size
-    return _a2a_time(cal, backend, lens, C, r, U, hq, hkv, D, elem, acc)
-
-
 # ------------------------------------------------------------------ public API
 
 def _lengths(cu_seqlens) -> np.ndarray:
@@ -267,9 +141,19 @@ def _check_model_args(backend, calibration, q_heads, kv_heads) -> Calibration:
     return calibration
 
 
+def _layer_windows(window) -> list[int | None]:
+    """Every layer's window (duplicates kept: they weigh the average), checked as the plan's."""
+    if isinstance(window, (list, tuple)):
+        if not window:
+            raise ValueError("window: an empty list (pass None for no window)")
+        return [check_window(w) for w in window]
+    return [check_window(window)]
+
+
 def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_heads: int,
             head_dim: int, dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
-            calibration: Calibration | None = None, per_rank: bool = False):
+            calibration: Calibration | None = None, per_rank: bool = False,
+            window: int | None | list = None):
     """Predicted forward + backward time (ms) of one attention layer under ``setting``.
 
     Args:
@@ -286,8 +170,15 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
             calibration has no ``fa4`` table), one more call when a block uses both.
         calibration: constants (default :func:`~cp_rope.parallel.calibrate.default_calibration`).
         per_rank: also return the list of every rank's ms.
+        window: the layer's left window ``W`` (:mod:`cp_rope.parallel._window`'s convention:
+            the query at position p sees keys p - W + 1 .. p; None: none), or a list of the
+            model's per-layer windows (then the average layer: the mean of each layer's
+            slowest rank). A window shorter than some
+            document leaves each block the pairs it reaches (:func:`causal_pairs` per
+            document) and the ring the halo it sends (``comm_volume(..., window=W)``).
 
-    Returns: the slowest rank's ms (and with ``per_rank`` a ``(ms, [ms per rank])`` tuple).
+    Returns: the slowest rank's ms (and with ``per_rank`` a ``(ms, [ms per rank])`` tuple; a
+    list of windows: the layers' mean of both).
 
     Raises: ValueError / TypeError naming a bad argument (as ``comm_volume`` /
     ``check_ulysses_args`` for head counts the method cannot split; q_heads not a multiple
@@ -302,16 +193,34 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     elem = _ELEM.get(dtype, 2)
     acc = 8 if dtype == torch.float64 else 4
     lens = np.diff(cu)
-    if C == 1:
-        t = _seg_time(cal, backend, *_causal(lens), hq, D) if lens.any() else 0.0
-        return (t * 1e3, [t * 1e3]) if per_rank else t * 1e3
-    if setting.method in ("ulysses", "hybrid"):
+    windows = _layer_windows(window)
+    if C > 1 and setting.method in ("ulysses", "hybrid"):
         check_ulysses_args(setting.method, setting.ulysses_size, C, hq, hkv)
+    longest = int(lens.max()) if lens.size else 0
+    weights: dict[int | None, int] = {}  # effective window (as the plan's) -> layers
+    for w in windows:
+        w = effective_window(w, longest)
+        weights[w] = weights.get(w, 0) + 1
+    # every layer waits for its slowest rank: the average layer's time is the mean of the
+    # layers' maxima (per_rank: each rank's mean)
+    per = {w: np.asarray(_rank_times(cal, backend, setting, cu, lens, C, hq, hkv, D, elem, acc,
+                                     w), dtype=np.float64) for w in weights}
+    slowest = sum(n * per[w].max() for w, n in weights.items()) / len(windows) * 1e3
+    if not per_rank:
+        return float(slowest)
+    return float(slowest), [float(t) * 1e3 for t in
+                            sum(n * per[w] for w, n in weights.items()) / len(windows)]
+
+
+def _rank_times(cal, backend, setting, cu, lens, C, hq, hkv, D, elem, acc, W) -> list[float]:
+    """Seconds of one layer with the effective window ``W`` on every rank."""
+    if C == 1:
+        return [whole_time(cal, backend, lens, hq, D, W) if lens.any() else 0.0]
     if setting.placement == "zigzag":
         if (lens % (2 * C)).any():
             raise ValueError(f"cu_seqlens: zigzag needs every length divisible by 2 * cp_size "
                              f"= {2 * C}")
-        times = [_method_time(cal, backend, setting, lens, C, r, hq, hkv, D, elem, acc)
+        times = [method_time(cal, backend, setting, lens, C, r, hq, hkv, D, elem, acc, W)
                  for r in range(C)]
     elif setting.placement == "per_document":
         placed = place_documents(torch.from_numpy(cu.astype(np.int32)), C,
@@ -320,15 +229,14 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
         times = []
         for r in range(C):
             whole = lens[placed.owner == r]
-            t = _method_time(cal, backend, setting, split, C, r, hq, hkv, D, elem, acc)
+            t = method_time(cal, backend, setting, split, C, r, hq, hkv, D, elem, acc, W)
             if whole.any():
-                t += _seg_time(cal, backend, *_causal(whole), hq, D)
+                t += whole_time(cal, backend, whole, hq, D, W)
             times.append(t)
     else:
         raise ValueError(f"setting.placement must be 'zigzag' or 'per_document', got "
                          f"{setting.placement!r}")
-    ms = [t * 1e3 for t in times]
-    return (max(ms), ms) if per_rank else max(ms)
+    return times
 
 
 def candidate_methods(cp_size: int, q_heads: int, kv_heads: int,
@@ -420,14 +328,16 @@ def candidate_settings(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int,
 def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: int,
            dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn", method: str = "auto",
            placement: str = "auto", split_threshold: int | None = None,
-           ulysses_size: int | None = None,
-           calibration: Calibration | None = None) -> Choice:
+           ulysses_size: int | None = None, calibration: Calibration | None = None,
+           window: int | None | list = None) -> Choice:
     """The fastest setting of one batch by :func:`predict` (deterministic: the same host
     arguments give the same choice on every rank; ties go to the earlier candidate of
     :func:`candidate_settings`, predictions compared at 1e-9 relative).
 
     Args: as :func:`predict` and :func:`candidate_settings` (``"auto"`` or a fixed value
-    for ``method`` / ``placement``).
+    for ``method`` / ``placement``; ``window``: the layer's or every layer's, as
+    :func:`predict`: one method serves every layer of the plan, so a list scores the
+    average layer).
 
     Returns: a :class:`Choice` (``.method``, ``.placement``, ``.split_threshold``,
     ``.ulysses_size``, ``.ms``, ``.ranking``, ``.summary()`` for the step log).
@@ -441,7 +351,8 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
     scored = []
     for i, s in enumerate(cands):
         ms = predict(cu_seqlens, s, cp_size=cp_size, q_heads=q_heads, kv_heads=kv_heads,
-                     head_dim=head_dim, dtype=dtype, backend=backend, calibration=calibration)
+                     head_dim=head_dim, dtype=dtype, backend=backend, calibration=calibration,
+                     window=window)
         scored.append((float(f"{ms:.9e}"), i, s))  # rounded: platform-independent ties
     scored.sort(key=lambda x: (x[0], x[1]))
     ranking = tuple((ms, s) for ms, _, s in scored)
@@ -463,8 +374,9 @@ class AutoPlacement:
     per batch, made here.
 
     Args: ``collator``; the layer's ``q_heads``, ``kv_heads``, ``head_dim``, ``dtype``;
-    ``backend`` (throughput table), ``method``, ``ulysses_size``, ``calibration`` (None: the
-    shipped defaults): as :func:`choose`. Pass the plan's own (its dtype, its calibration).
+    ``backend`` (throughput table), ``method``, ``ulysses_size``, ``window``, ``calibration``
+    (None: the shipped defaults): as :func:`choose`. Pass the plan's own (its dtype, its
+    calibration, the model's windows).
 
     Raises: TypeError if ``collator`` is not a PackingCollator with ``cp_rank`` set, or
     ``calibration`` is not a Calibration; as :func:`choose` per batch.
@@ -473,7 +385,7 @@ class AutoPlacement:
     def __init__(self, collator, *, q_heads: int, kv_heads: int, head_dim: int,
                  dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
                  method: str = "auto", ulysses_size: int | None = None,
-                 calibration: Calibration | None = None):
+                 window: int | None | list = None, calibration: Calibration | None = None):
         from .collator import PackingCollator
 
         if not isinstance(collator, PackingCollator) or collator.cp_rank is None:
@@ -481,7 +393,7 @@ class AutoPlacement:
         self.collator = collator
         self.kw = dict(cp_size=collator.cp_size, q_heads=q_heads, kv_heads=kv_heads,
                        head_dim=head_dim, dtype=dtype, backend=backend, method=method,
-                       ulysses_size=ulysses_size,
+                       ulysses_size=ulysses_size, window=window,
                        calibration=calibration_or_default(calibration))
 
     def __call__(self, examples):

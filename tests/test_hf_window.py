@@ -56,6 +56,8 @@ def test_sliding_window_patched_equals_unpatched_per_document(name, over):
     cu = batch.cu_seqlens.tolist()
     for rope_kernel in (False,):  # the RoPE kernel takes no float64 (its own tests: test_hf.py)
         H.patch_model(model, backend="reference", rope_kernel=rope_kernel)
+        layers = model.cp_rope_patch.layers[0]  # every layer's, so that auto weighs them
+        assert len(layers) == model.config.num_hidden_layers and set(layers) == windows
         with torch.no_grad():
             got = model(**H.model_inputs(batch)).logits[0]
         got = torch.cat([got[cu[i]:cu[i] + n] for i, n in enumerate(LENS)])

@@ -3,6 +3,7 @@ against issue 21's measured peaks, the choice, the --memory auto hook and the co
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -16,6 +17,7 @@ from cp_rope.launch.plan_memory import (
     choose,
     estimate,
     main,
+    step_seconds,
 )
 
 S = Shapes(dim=64, n_layers=3, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=100)
@@ -217,3 +219,110 @@ def test_plan_memory_flags(capsys, flags, match):
         plan_memory(argv)
     assert exc.value.code == 2
     assert __import__("re").search(match, capsys.readouterr().err)
+
+
+# ------------------------------------------------------------------ --model DIR: experts, windows, families
+
+_BASE = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+             head_dim=32, intermediate_size=512, vocab_size=1000)
+
+
+def _model_dir(tmp_path, **over):
+    d = tmp_path / over.get("model_type", "m")
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**_BASE, **over}))
+    return str(d)
+
+
+@pytest.mark.parametrize("over", [
+    dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=2),
+    # MoE on layer 1 only: decoder_sparse_step 2 leaves layers 0, 2 dense, mlp_only_layers 3
+    dict(model_type="qwen3_moe", num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128,
+         decoder_sparse_step=2, mlp_only_layers=[3]),
+    dict(model_type="gpt_oss", num_local_experts=8, num_experts_per_tok=2, sliding_window=128),
+    dict(model_type="llama"),
+])
+def test_model_dir_counts_every_expert(tmp_path, over):
+    """Breaker finding #16: a mixture of experts counted no experts (Mixtral's parameters 5x
+    under). Weights, gradients and optimizer states count every expert and the router (the
+    model transformers builds from the config, on the meta device, within 0.1 %: attention
+    biases and sinks are not modelled); activations count the experts a token runs."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    path = _model_dir(tmp_path, **over)
+    s = Shapes.from_hf_dir(path)
+    with torch.device("meta"):
+        lm = transformers.AutoModelForCausalLM.from_config(
+            transformers.AutoConfig.from_pretrained(path))
+    want = sum(p.numel() for p in lm.parameters())
+    assert abs(s.params / want - 1) < 1e-3, (s.params, want)
+    st = Settings(activation_checkpointing="none", fused_loss=False)
+    est = estimate(s, st, tokens=4096, dp=2)
+    assert est["optimizer"] == 8 * s.params // 2
+    if over["model_type"] == "llama":
+        return
+    dense = Shapes.from_hf_dir(_model_dir(tmp_path, model_type="llama"))
+    assert s.params > dense.params
+    # a token keeps its experts' activations, not all of them
+    kept = estimate(s, st, tokens=4096)["saved activations"]
+    everyone = estimate(dataclasses.replace(s, experts_per_tok=s.n_experts), st,
+                        tokens=4096)["saved activations"]
+    assert kept < everyone
+
+
+def test_model_dir_windows_and_unsupported_families(tmp_path, capsys):
+    """Windows read from the config (layer_types, sliding_window) and reported; the windowed
+    ring's receive buffers hold halos. Finding #14: an unsupported model_type is one line
+    naming the supported families (cp_rope.hf's one list), not a KeyError."""
+    pytest.importorskip("transformers")
+    from cp_rope.hf import SUPPORTED_FAMILIES
+
+    oss = Shapes.from_hf_dir(_model_dir(tmp_path, model_type="gpt_oss", num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=128))
+    assert oss.windows == (128, None, 128, None)
+    assert oss.window_note() == "sliding window 128 on 2 of 4 layers"
+    mistral = Shapes.from_hf_dir(_model_dir(tmp_path, model_type="mistral", sliding_window=64))
+    assert mistral.windows == (64,) * 4
+    full = dataclasses.replace(mistral, windows=())
+    kw = dict(tokens=65536, cp=4, doc_len=8192)
+    kv = mistral.n_kv_heads * mistral.head_dim
+    got = estimate(mistral, Settings(), **kw)["communication"]
+    assert got == 2 * (8 * 2 * 63) * 2 * kv * 2  # 8 documents x 2 chunks x 63 rows per step
+    assert estimate(full, Settings(), **kw)["communication"] == 2 * 16384 * 2 * kv * 2
+    mixed = dataclasses.replace(mistral, windows=(64, 64, 64, None))  # the full layer's buffer
+    assert estimate(mixed, Settings(), **kw)["communication"] == 2 * 16384 * 2 * kv * 2
+    assert step_seconds(mistral, Settings(), **kw) < step_seconds(full, Settings(), **kw)
+    main(["--model", _model_dir(tmp_path, model_type="mistral", sliding_window=64),
+          "--seq-len", "65536", "--doc-len", "8192", "--cp-size", "4"])
+    assert "sliding window 64 on 4 of 4 layers" in capsys.readouterr().out
+    gpt2 = tmp_path / "gpt2"
+    gpt2.mkdir()
+    (gpt2 / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_embd": 64,
+                                                  "n_layer": 2, "n_head": 2}))
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", str(gpt2), "--seq-len", "4096"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and "Traceback" not in "\n".join(err)
+    assert "model_type 'gpt2' is not supported" in err[-1], err
+    assert f"(supported: {', '.join(SUPPORTED_FAMILIES)})" in err[-1]
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--cp-size", "8", "--seq-len", "1000"],
+     r"--seq-len at --cp-size 8: the trainers refuse it: data\.seq_len=1000: must be a "
+     r"multiple of 2 \* cp_size = 16 \(zigzag CP chunks\)"),
+    (["--cp-size", "8", "--doc-len", "1000"], r"--doc-len at --cp-size 8: .*data\.seq_len=1000"),
+])
+def test_plan_memory_refuses_the_sequence_the_trainers_refuse(capsys, flags, match):
+    """Breaker finding #15: --seq-len 1000 at --cp-size 8 was planned; the trainers refuse it
+    (launch.config.check_seq_len, the same message)."""
+    from cp_rope.launch.config import check_seq_len
+
+    with pytest.raises(ConfigError) as trainer:
+        check_seq_len(1000, 8)
+    with pytest.raises(SystemExit) as exc:
+        main(["--preset", "tiny", "--seq-len", "4096", *flags])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and __import__("re").search(match, err), err
+    assert str(trainer.value) in err

@@ -113,5 +113,6 @@ def check_passed_plan(patch, plan, cu, max_len, n_rows, placement) -> None:
             or plan.sinks != patch.layers[1]:
         raise ValueError(f"plan: built for heads/head_dim {tuple(got)}, windows "
                          f"{list(plan.windows)}, sinks={plan.sinks}; this model's layers have "
-                         f"{(hq, hkv, d)}, {list(patch.layers[0])}, sinks={patch.layers[1]} "
-                         "(build it with cp_rope.hf.attention_plan(model, batch))")
+                         f"{(hq, hkv, d)}, {list(dict.fromkeys(patch.layers[0]))}, "
+                         f"sinks={patch.layers[1]} (build it with cp_rope.hf.attention_plan("
+                         "model, batch))")

@@ -23,9 +23,10 @@ __all__ = ["layer_windows"]
 
 
 def layer_windows(attns, config) -> tuple[tuple[int | None, ...], bool]:
-    """``(windows, sinks)`` of the attention modules ``attns``: the distinct per-layer
-    sliding windows (None: a full-attention layer), and whether the layers carry sink
-    logits (a tensor attribute ``sinks``)."""
+    """``(windows, sinks)`` of the attention modules ``attns``: every layer's sliding window
+    in order (None: a full-attention layer; the plan serves the distinct ones, ``method=
+    "auto"`` weighs them by their layers), and whether the layers carry sink logits (a
+    tensor attribute ``sinks``)."""
     default = getattr(config, "sliding_window", None)
-    windows = tuple(dict.fromkeys(getattr(m, "sliding_window", default) for m in attns))
+    windows = tuple(getattr(m, "sliding_window", default) for m in attns)
     return windows, any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attns)
