@@ -342,6 +342,10 @@ def context_parallel_attention(
     """
     if plan is None:  # the one place a plan is born: attention_plan, with the call's checks
         def check():  # inside the build's agreement: one rank's error reaches every rank
+            if isinstance(window, (list, tuple)):  # a plan's windows; this call runs one
+                raise TypeError(f"window must be an int or None here, got {window!r}: a list of "
+                                "per-layer windows goes to attention_plan(window=[...]), then "
+                                "pass plan= and window=W")
             if placement is not None:
                 check_per_document_rows(q, k, v, placement, group, cu_seqlens, max_seqlen,
                                         sinks, return_lse)

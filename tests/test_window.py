@@ -114,6 +114,10 @@ def test_bad_window_and_sinks_named():
                      ("4", TypeError)):
         with pytest.raises(exc, match="window"):
             context_parallel_attention(q, k, v, cu, 8, window=bad)
+    for bad in ([None, 3], [2, 3], (3,)):  # round 4 #3: the list's first window ran, silently
+        with pytest.raises(TypeError, match=r"window must be an int or None here, got .*"
+                                            r"attention_plan\(window=\[\.\.\.\]\)"):
+            context_parallel_attention(q, k, v, cu, 8, window=bad)
     with pytest.raises(ValueError, match="window=4 needs causal=True"):
         check_window(4, causal=False)
     with pytest.raises(ValueError, match="window"):
