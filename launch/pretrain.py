@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import cp_rope
 from cp_rope.parallel.mesh import ParallelDims
 
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
@@ -305,7 +306,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
               f"tokens ({cfg.data.data or 'python stdlib'}; {run_data.tokenizer}), {len(dataset)} "
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
-              f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
+              f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max; cp_rope from "
+              f"{os.path.dirname(os.path.dirname(cp_rope.__file__))}"  # which checkout runs
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
                 layers=getattr(model, "attention_layers", ((None,), False)))

@@ -355,6 +355,7 @@ def test_torchrun_main_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "world 2 = dp 1 x cp 2" in out and re.search(r"done: steps 1\.\.3: loss .* tokens/s", out), out
+    assert f"cp_rope from {REPO}" in out, out  # round 4 #9: which checkout the workers run
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3]
 
