@@ -29,7 +29,8 @@ truncated ``.metadata`` or a damaged or incomplete manifest raise
 :func:`resume_checkpoint` picks the newest checkpoint that verifies and
 reports each newer one it skipped, with the reason.
 
-Identity. The manifest records the run that wrote it (:func:`run_identity`:
+Identity. The manifest records the run that wrote it
+(:func:`~cp_rope.launch.run_identity.run_identity`:
 model shapes, data order, seed, cp_size, world size) and the torch version;
 :func:`load_checkpoint` compares them with this run before reading anything
 (:func:`check_run`) and fails naming both values. Model and optimizer shards
@@ -61,7 +62,7 @@ from ._compat import DCP_ERRORS, dcp_load_partial, dcp_named_files, failure_caus
 
 __all__ = [
     "CheckpointError", "MANIFEST", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
-    "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "run_identity", "check_run",
+    "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "check_run",
 ]
 
 MANIFEST = "checksums.json"
@@ -262,23 +263,11 @@ def resume_checkpoint(root: str) -> tuple[str | None, list[tuple[str, str]]]:
 
 
 # ------------------------------------------------------------------ run identity
-def run_identity(cfg, world_size: int) -> dict:
-    """What ties a checkpoint to its run, recorded in its manifest and compared before a load:
-    the :func:`~cp_rope.launch.resume_config.resume_fixed` fields of ``cfg`` (model shapes, data
-    order, seed, cp_size, optimizer hyper-parameters) as ``"section.field": value``, and the
-    world size."""
-    from .config import to_dict
-    from .resume_config import resume_fixed
-
-    now = to_dict(cfg)
-    ident = {f"{s}.{n}": now[s][n] for s, names in resume_fixed(cfg).items() for n in names}
-    return ident | {"world_size": world_size}
-
-
 def check_run(path: str, manifest: dict, run: dict | None, world: int) -> None:
     """Raise CheckpointError (naming the checkpoint's and this run's values) when the
     checkpoint ``path`` was written by another world size or, with ``run``
-    (:func:`run_identity`), another run. Keys an older manifest lacks are not compared."""
+    (:func:`cp_rope.launch.run_identity.run_identity`), another run. Keys an older manifest
+    lacks are not compared."""
     saved = dict(manifest.get("run") or {})
     saved.setdefault("world_size", manifest.get("world_size"))
     now = dict(run or {}) | {"world_size": world}
@@ -355,7 +344,7 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
     The files go to ``step_<step>.partial`` first; after DCP has written them,
     rank 0 lists the files on disk (complete against the ones ``.metadata``
     names), the ranks hash them (each its share), rank 0 writes
-    :data:`MANIFEST` (with ``run``, :func:`run_identity`, and the torch
+    :data:`MANIFEST` (with ``run``, :func:`~cp_rope.launch.run_identity.run_identity`, and the torch
     version) and renames the directory (replacing an earlier save of the same
     step). A failure or a kill at any point leaves no ``step_<step>`` that
     looks complete. ``keep > 0`` then deletes all but ``keep`` checkpoints of
@@ -435,6 +424,23 @@ def save_checkpoint(root: str, step: int, model: torch.nn.Module, optimizer: tor
     return path
 
 
+def _named(path: str, manifest: dict) -> dict:
+    """``manifest``, or CheckpointError unless ``path`` is the save its name says: no symbolic
+    link (a later save of its step replaces the directory), and a ``step_<N>`` name whose N is
+    the step its manifest recorded (not a renamed or copied directory)."""
+    path = path.rstrip(os.sep)
+    m, saved = _STEP_DIR.match(os.path.basename(path)), manifest.get("step")
+    if os.path.islink(path):
+        why = (f"is a symbolic link (to {os.readlink(path)}): a checkpoint must be the save's "
+               "own directory. Replace the link by the directory it names, or delete the link")
+    elif m and isinstance(saved, int) and int(m.group(1)) != saved:
+        why = (f"is named for step {int(m.group(1))} but its {MANIFEST} records step {saved} "
+               f"(renamed or copied?). Rename it step_{saved:08d}, or delete it")
+    else:
+        return manifest
+    raise CheckpointError(f"{path} {why}; nothing was loaded")
+
+
 def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     scheduler, sampler_state: dict, *, verify: bool = True,
                     run: dict | None = None) -> tuple[int, dict]:
@@ -446,13 +452,14 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         verify: check every file against the manifest first
             (:func:`verify_checkpoint`); ``False`` only right after
             :func:`resume_checkpoint` has done so.
-        run: this run's :func:`run_identity`, compared with the one the
+        run: this run's :func:`~cp_rope.launch.run_identity.run_identity`, compared with the one the
             checkpoint recorded before anything is read (:func:`check_run`).
 
     Returns: ``(step, sampler_state)``, the step the checkpoint was saved after
     and this rank's saved sampler state.
 
-    Raises: CheckpointError if the checkpoint fails verification, was written by
+    Raises: CheckpointError if the checkpoint fails verification, is a symbolic link or
+    has a ``step_<N>`` name whose N is not the step it recorded, was written by
     another world size or run (both values named; nothing is loaded), or DCP
     cannot load it (the message names the torch that wrote it and this one).
     """
@@ -460,7 +467,7 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         raise CheckpointError(f"{path}: {reason}; nothing was loaded")
     rank, world = _rank_world()
     try:
-        manifest, error = (_read_manifest(path), None) if rank == 0 else (None, None)
+        manifest, error = (_named(path, _read_manifest(path)), None) if rank == 0 else (None, None)
     except CheckpointError as exc:
         manifest, error = None, str(exc)
     manifest, error = _broadcast((manifest, error))

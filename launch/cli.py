@@ -55,6 +55,7 @@ from .config import (
 )
 from .metrics import RunDirError
 from .offload import checkpoint_flag_argv
+from .start_gate import StartError
 
 __all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
 
@@ -249,7 +250,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         text = plain_text(description).strip() + "\n\n" + text
     cli = tyro.cli(_CommandLine, args=argv, default=default, prog=PROG, description=text,
                    config=(tyro.conf.OmitArgPrefixes,),
-                   console_outputs=os.environ.get("RANK", "0") == "0")
+                   console_outputs=True)  # under torchrun, start_gate keeps rank > 0's
     cfg = PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
     check_eval_flags(argv, cfg.data.eval_docs, file_every=file_every)
     return cfg
@@ -269,13 +270,16 @@ def check_eval_flags(argv: list[str], eval_docs: int | None, *, file_every=None)
 def run_cli(entry: Callable[[], dict]) -> dict:
     """Run an entry point (``pretrain.main``, ``finetune_hf.main``) as a command.
 
-    A :class:`ConfigError`, :class:`CheckpointError` or :class:`RunDirError` (every rank raises the same
-    one) is printed once, by rank 0, as ``error: ...``, then exit status 2; an
-    interrupted run exits with status 130. Returns: ``entry``'s summary otherwise.
+    A :class:`ConfigError`, :class:`CheckpointError`, :class:`RunDirError` or
+    :class:`~cp_rope.launch.start_gate.StartError` is printed once, by rank 0, as
+    ``error: ...``, then exit status 2 (every rank raises the same one; an error only some
+    ranks have before the process group reaches rank 0 through
+    :func:`~cp_rope.launch.start_gate.agreed_start`, which prints it); an interrupted run
+    exits with status 130. Returns: ``entry``'s summary otherwise.
     """
     try:
         summary = entry()
-    except (ConfigError, CheckpointError, RunDirError) as exc:
+    except (ConfigError, CheckpointError, RunDirError, StartError) as exc:
         if os.environ.get("RANK", "0") == "0":
             print(f"error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None

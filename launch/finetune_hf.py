@@ -82,6 +82,7 @@ from .offload import checkpoint_flag_argv
 from .parallelize import compute_dtype
 from .plan_memory import Shapes
 from .pretrain import set_up, setup_distributed, summarize, train_loop
+from .start_gate import agreed_start
 
 __all__ = ["HFConfig", "FinetuneConfig", "HFCausalLM", "parse_args", "main"]
 
@@ -147,7 +148,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
     argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
     fc = tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
                   config=(tyro.conf.OmitArgPrefixes,),
-                  console_outputs=os.environ.get("RANK", "0") == "0")
+                  console_outputs=True)  # under torchrun, start_gate keeps rank > 0's
     check_eval_flags(argv, fc.data.eval_docs)
     return fc
 
@@ -271,6 +272,13 @@ def _memory_knobs(fc: FinetuneConfig, cfg: PretrainConfig) -> FinetuneConfig:
         fc.hf, mlp_tile_tokens=m.mlp_tile_tokens, fused_loss=m.fused_loss))
 
 
+def _parsed(argv: list[str] | None) -> tuple[FinetuneConfig, PretrainConfig]:
+    fc = parse_args(argv)
+    cfg = resolve(fc)
+    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    return fc, cfg
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Entry point: parse, validate, set up the process group, train, ``save_pretrained``.
 
@@ -280,10 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
     Returns: :func:`cp_rope.launch.pretrain.summarize`'s dict plus ``"hf_model"``
     (the saved directory, or None when the run stopped early).
     """
-    fc = parse_args(argv)
-    cfg = resolve(fc)
-    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    created, _ = setup_distributed(cfg)
+    (fc, cfg), store = agreed_start(lambda: _parsed(argv), lambda c: c[1].parallel.timeout_s)
+    created, _ = setup_distributed(cfg, store)
     try:
         tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
                     memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf",

@@ -45,6 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+import cp_rope
 from cp_rope.parallel.loss import auto_chunk_size, loss_impl
 from cp_rope.parallel.mesh import ParallelDims
 
@@ -62,6 +63,7 @@ from .parallelize import compute_dtype, flat_mesh, parallelize, uses_fsdp
 from .plan_memory import auto_settings
 from .plot import write_report
 from .run_dir import RunStart, start_run
+from .start_gate import StartError, agreed_start
 from .stop_flag import StopFlag
 from .tokenizer import prepare_corpora
 
@@ -157,11 +159,14 @@ class _Batches:
         return batch
 
 
-def setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
+def setup_distributed(cfg: PretrainConfig, store: dist.Store | None = None) -> tuple[bool, torch.device]:
     """Initialise the process group (unless the caller did) and pick this rank's device.
 
     The CUDA device comes from LOCAL_RANK and is set before NCCL starts; every
-    global rank question is asked of ``dist.get_rank()``.
+    global rank question is asked of ``dist.get_rank()``. ``store``: the rendezvous store
+    :func:`~cp_rope.launch.start_gate.agreed_start` opened (torchrun, 2+ ranks), reused.
+
+    Raises: StartError when a rank does not join within ``parallel.timeout_s``.
     """
     want_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
     if want_cuda:
@@ -173,7 +178,14 @@ def setup_distributed(cfg: PretrainConfig) -> tuple[bool, torch.device]:
         return False, device
     timeout = datetime.timedelta(seconds=cfg.parallel.timeout_s)
     backend = "nccl" if want_cuda else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
+    if store is not None:  # torchrun, every rank's start agreed
+        try:
+            dist.init_process_group(backend, store=store, rank=int(os.environ["RANK"]),
+                                    world_size=int(os.environ["WORLD_SIZE"]), timeout=timeout)
+        except dist.DistStoreError as exc:
+            raise StartError(f"parallel.timeout_s={cfg.parallel.timeout_s}: the process group did "
+                             f"not form in time (did a rank exit or crash?): {exc}") from None
+    elif "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # torchrun
         dist.init_process_group(backend, timeout=timeout)
     else:  # plain `python -m`: a one-process job
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
@@ -314,7 +326,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"{n_params / 1e6:.2f}M params, {corpus.num_docs} docs / {int(corpus.offsets[-1]):,} "
               f"tokens ({cfg.data.data or 'python stdlib'}; {run_data.tokenizer}), {len(dataset)} "
               f"examples, {run_data.eval.num_docs if run_data.eval else 0} held-out docs, "
-              f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max"
+              f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max; cp_rope from "
+              f"{os.path.dirname(os.path.dirname(cp_rope.__file__))}"  # which checkout runs
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
     log.write(f"loss: {loss_summary(cfg, device, dtype)} (--loss-impl {cfg.parallel.loss_impl})")
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
@@ -439,6 +452,12 @@ def run(cfg: PretrainConfig) -> dict:
         tr.start.close()
 
 
+def _parsed(argv: list[str] | None) -> PretrainConfig:
+    cfg = parse_args(argv, description=__doc__)
+    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    return cfg
+
+
 def main(argv: list[str] | None = None) -> dict:
     """Entry point: parse ``argv``, validate, set up the process group, :func:`run`, clean up.
 
@@ -446,9 +465,8 @@ def main(argv: list[str] | None = None) -> dict:
     ``python -m cp_rope.launch.pretrain``, and when called inside an already
     initialised process group (tests), which it then leaves initialised.
     """
-    cfg = parse_args(argv, description=__doc__)
-    validate(cfg, int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
-    created, _ = setup_distributed(cfg)
+    cfg, store = agreed_start(lambda: _parsed(argv), lambda c: c.parallel.timeout_s)
+    created, _ = setup_distributed(cfg, store)
     try:
         return run(cfg)
     finally:

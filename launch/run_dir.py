@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from .checkpoint import has_checkpoints, run_identity
+from .checkpoint import has_checkpoints
 from .config import SECTIONS, ConfigError, PretrainConfig, to_dict
 from .resume_config import check_resume_config
-from .run_identity import agree_run_identity, file_digest
+from .run_identity import agree_run_identity, file_digest, run_identity
 from .run_lock import OutDirLock, lock_out_dir
 
 __all__ = ["prepare_out_dir", "start_run", "RunStart"]
@@ -156,7 +156,7 @@ class RunStart:
             self.contents.setdefault("out_dir/tokenizer.json", file_digest(path))
 
     def checkpoint_run(self, cfg: PretrainConfig, world: int) -> dict:
-        """The checkpoint manifest's ``run``: :func:`~cp_rope.launch.checkpoint.run_identity`
+        """The checkpoint manifest's ``run``: :func:`~cp_rope.launch.run_identity.run_identity`
         and ``"contents.NAME"`` digests (compared before a resume loads anything)."""
         return run_identity(cfg, world) | {f"contents.{k}": v for k, v in self.contents.items()}
 

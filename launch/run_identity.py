@@ -37,9 +37,10 @@ from cp_rope import __version__ as CP_ROPE_VERSION
 
 from .config import ConfigError, PretrainConfig, to_dict, validate
 from .data import corpus_files
+from .resume_config import resume_fixed
 
 __all__ = ["AGREE_TIMEOUT_S", "RunIdentityError", "agree_run_identity", "content_digests",
-           "file_digest", "identity_fields", "RANK_LOCAL_FIELDS", "ENV_VARS"]
+           "file_digest", "identity_fields", "run_identity", "RANK_LOCAL_FIELDS", "ENV_VARS"]
 
 AGREE_TIMEOUT_S = 30.0
 """Seconds every rank waits for its peers at the agreement (group creation and all-gather):
@@ -175,6 +176,16 @@ def _gather(obj: object, timeout_s: float) -> list:
         _AGREE_GROUPS.pop((id(dist.distributed_c10d._get_default_group()), timeout_s), None)
         raise RunIdentityError(f"rank {dist.get_rank()}: {hint}: {exc}") from None
     return views
+
+
+def run_identity(cfg, world_size: int) -> dict:
+    """What ties a checkpoint to its run, recorded in its manifest and compared before a load:
+    the :func:`~cp_rope.launch.resume_config.resume_fixed` fields of ``cfg`` (model shapes, data
+    order, seed, cp_size, optimizer hyper-parameters) as ``"section.field": value``, and the
+    world size."""
+    now = to_dict(cfg)
+    ident = {f"{s}.{n}": now[s][n] for s, names in resume_fixed(cfg).items() for n in names}
+    return ident | {"world_size": world_size}
 
 
 def agree_run_identity(cfg: PretrainConfig, *, extra: dict[str, dict] | None = None,

@@ -25,12 +25,13 @@ tensor) and, with ``C > 1``, all-gathers the ranks' signatures.
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 
 import torch
 import torch.distributed as dist
 
-from cp_rope.validation import check_bool, check_choice, check_cu_seqlens
+from cp_rope.validation import check_bool, check_choice, check_cu_seqlens, content_checks_enabled
 
 from ._blocks import get_backend
 from ._calibration import Calibration, calibration_or_default
@@ -168,7 +169,7 @@ def attention_plan(
                   softmax_scale=head_dim ** -0.5 if softmax_scale is None else softmax_scale,
                   backend=backend, window=window, sinks=sinks)
     if laid == "per_document":
-        plan = PerDocumentPlan.build(kw.pop("placement"), **kw, **common)
+        plan = PerDocumentPlan.build(kw.pop("placement"), **kw, **common, _extra_sig=_extra_sig)
     else:
         plan = CPAttentionPlan.build(kw.pop("cu_seqlens"), kw.pop("max_seqlen"), **kw, **common,
                                      _extra_sig=_extra_sig)
@@ -379,6 +380,10 @@ def context_parallel_attention(
     """
     if plan is None:  # the one place a plan is born: attention_plan, with the call's checks
         def check():  # inside the build's agreement: one rank's error reaches every rank
+            if isinstance(window, (list, tuple)):  # a plan's windows; this call runs one
+                raise TypeError(f"window must be an int or None here, got {window!r}: a list of "
+                                "per-layer windows goes to attention_plan(window=[...]), then "
+                                "pass plan= and window=W")
             if placement is not None:
                 check_per_document_rows(q, k, v, placement, group, cu_seqlens, max_seqlen,
                                         sinks, return_lse)
@@ -405,8 +410,8 @@ def context_parallel_attention(
             # zigzag: the call's backend is agreed, resolved per call (registered test
             # backends too); per-document: fixed in the plan, as the placement path always did
             backend=backend if placement is not None else None,
-            _extra_sig=None if placement is not None else {"backend": backend or "auto",
-                                                            **_sinks_sig(sinks)},
+            _extra_sig=_sinks_sig(sinks) if placement is not None else {
+                "backend": backend or "auto", **_sinks_sig(sinks)},
             window=window, sinks=sinks is not None, _check=check)
     elif not isinstance(plan, (CPAttentionPlan, PerDocumentPlan)):
         raise TypeError(f"plan must be a CPAttentionPlan or PerDocumentPlan, got "
@@ -456,7 +461,15 @@ def per_document_attention(q, k, v, cu_seqlens=None, max_seqlen=None, *, placeme
 
 
 def _sinks_sig(sinks) -> dict:
-    """What the ranks must agree on about a call's sinks (shape and dtype, not values)."""
+    """What the ranks must agree on about a call's sinks: shape and dtype, and where the host
+    can read them (CPU, or ``CP_ROPE_DEBUG=1``: :func:`~cp_rope.validation.content_checks_enabled`)
+    a SHA-256 of their bytes: a model's sink logits are one parameter, the same on every rank
+    of the group (the sum of the ranks' gradients keeps them so), and rows that each use
+    their own rank's sinks would be the attention of no single model."""
     if not isinstance(sinks, torch.Tensor):
         return {}
-    return {"sinks_shape": tuple(sinks.shape), "sinks_dtype": str(sinks.dtype)}
+    sig = {"sinks_shape": tuple(sinks.shape), "sinks_dtype": str(sinks.dtype)}
+    if not sinks.is_meta and content_checks_enabled(sinks):  # [Hq] values: a few bytes
+        data = sinks.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
+        sig["sinks_sha256 (their values)"] = hashlib.sha256(data).hexdigest()[:16]
+    return sig

@@ -46,9 +46,9 @@ from ._calibration import (
 from .attention import attention_plan, context_parallel_attention
 from .choices import BACKENDS
 
-__all__ = ["FORMAT", "NEVER", "Calibration", "CalibrationError", "calibration_or_default",
-           "crossover_from", "default_calibration", "load_calibration", "measure",
-           "save_calibration"]
+__all__ = ["FORMAT", "LINKS_NOT_MEASURED", "NEVER", "Calibration", "CalibrationError",
+           "calibration_or_default", "crossover_from", "default_calibration", "load_calibration",
+           "measure", "save_calibration"]
 
 
 # ------------------------------------------------------------------ measurement
@@ -169,14 +169,22 @@ def measure(device: torch.device | str | None = None, *, backend: str = "auto",
     hbm = 2 * x.numel() / _time(lambda: y.copy_(x), sync, iters) / 1e9
     links = {k: getattr(base, k) for k in ("p2p_gbps", "a2a_gbps", "collective_gbps",
                                            "latency_us")}
+    source = f"measured ({'+'.join(kernels)})"
     if group is not None and dist.get_world_size(group) > 1:
         links = _measure_links(group, device, sync, iters)
+    else:
+        source += f"; {LINKS_NOT_MEASURED}: {base.source}"
     named = {b: tuple(t) for b, t in tables.items()}
     return Calibration(device_name=_device_name(device), torch_version=torch.__version__,
                        block_keys=tuple(keys), tflops=named, call_us=call_us,
                        merge_bytes_per_row=base.merge_bytes_per_row, hbm_gbps=hbm,
                        crossover=crossover, fa4_version=_compat.fa4_version() or "",
-                       source=f"measured ({'+'.join(kernels)})", **links)
+                       source=source, **links)
+
+
+LINKS_NOT_MEASURED = ("links not measured (one process: run under torchrun --nproc-per-node N "
+                      "to measure them), defaults")
+"""What ``source`` and the summary line say of the link constants of a one-process run."""
 
 
 def _measure_links(group, device, sync, iters) -> dict:
@@ -204,6 +212,11 @@ def _measure_links(group, device, sync, iters) -> dict:
     p2p, a2a, coll, lat = vals.tolist()
     return {"p2p_gbps": p2p / 1e9, "a2a_gbps": a2a / 1e9, "collective_gbps": coll / 1e9,
             "latency_us": lat * 1e6}
+
+
+def _num(x: float) -> str:
+    """Three significant digits, whole numbers from 100 on (a small rate is not printed as 0)."""
+    return f"{x:.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
 def main(argv=None) -> int:
@@ -235,10 +248,11 @@ def main(argv=None) -> int:
     cal = measure(backend=args.backend, tokens=args.tokens, iters=args.iters, group=group)
     if group is None or dist.get_rank() == 0:
         save_calibration(cal, args.out)
+        links = (f"p2p {_num(cal.p2p_gbps)} GB/s, all-to-all {_num(cal.a2a_gbps)} GB/s"
+                 + (f" -- {LINKS_NOT_MEASURED}" if LINKS_NOT_MEASURED in cal.source else ""))
         print(f"wrote {args.out}: {cal.device_name}, torch {cal.torch_version}; "
-              f"peak {max(next(iter(cal.tflops.values()))):.0f} TFLOP/s, "
-              f"call {cal.call_us:.0f} us, HBM {cal.hbm_gbps:.0f} GB/s, "
-              f"p2p {cal.p2p_gbps:.0f} GB/s, all-to-all {cal.a2a_gbps:.0f} GB/s"
+              f"peak {_num(max(next(iter(cal.tflops.values()))))} TFLOP/s, "
+              f"call {_num(cal.call_us)} us, HBM {_num(cal.hbm_gbps)} GB/s; {links}"
               + (f"; FA4 {cal.fa4_version} from (query rows per head_dim) {cal.crossover}"
                  if cal.crossover else ""))
     if group is not None:

@@ -46,6 +46,9 @@ __all__ = ["PackingCollator"]
 def _as_int_array(x: Any, field: str, i: int) -> np.ndarray:
     """One example's ``field`` as a 1-D int64 numpy array (a view where possible)."""
     if isinstance(x, torch.Tensor):
+        if x.is_meta:
+            raise ValueError(f"{field} of example {i} is on the meta device (no data to pack): "
+                             "pass tensors that hold their values")
         if x.is_floating_point() or x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{field} of example {i} must hold integers, got {x.dtype}")
         x = x.detach().cpu().numpy()
@@ -173,7 +176,8 @@ class PackingCollator:
         cp_rank: ``None``: return the global batch (padded for ``C``); an int in
             ``[0, C)``: return that rank's shard.
         pad_id: token id of padding rows.
-        ignore_index: label of rows without a target (PyTorch's cross-entropy default).
+        ignore_index: label of rows without a target (PyTorch's cross-entropy default); not a
+            token id (refused within ``[0, vocab_size)``).
         pad_to_multiple: pad the global ``T`` to a multiple of this (a multiple
             of ``2 * cp_size``, and a divisor of ``max_tokens`` when both are set).
         max_tokens: cap on the global ``T`` (padding included). A batch over the
@@ -194,7 +198,9 @@ class PackingCollator:
             ``"zigzag"`` (:func:`cp_rope.parallel.placement.default_split_threshold`).
 
     Raises (when called): ``TypeError`` for non-integer or wrongly typed ids or
-    labels; ``ValueError`` for 2-D ids, negative ids, ids ``>= vocab_size``, a
+    labels; ``ValueError`` for 2-D ids, negative ids, ids ``>= vocab_size``, tensors on the
+    meta device, an ``ignore_index`` within ``[0, vocab_size)`` or equal to an id whose label
+    it would be (labels from the ids), a
     ``labels`` length that differs from ``input_ids``, a bad ``span``, or a
     batch over ``max_tokens``. Each message names the field and the example.
     """
@@ -223,6 +229,10 @@ class PackingCollator:
         pad_id, ignore_index = check_int("pad_id", pad_id), check_int("ignore_index", ignore_index)
         if pad_id < 0 or (vocab_size is not None and pad_id >= vocab_size):
             raise ValueError(f"pad_id={pad_id} must be in [0, vocab_size={vocab_size})")
+        if vocab_size is not None and 0 <= ignore_index < vocab_size:
+            raise ValueError(f"ignore_index={ignore_index} is a token id of the vocabulary "
+                             f"[0, vocab_size={vocab_size}): a real label equal to it would be "
+                             "ignored by the loss; use a negative one (the default -100)")
         self.cp_size, self.cp_rank = cp_size, cp_rank
         self.pad_id, self.ignore_index = pad_id, ignore_index
         self.pad_to_multiple, self.max_tokens = pad_to_multiple, max_tokens
@@ -288,6 +298,18 @@ class PackingCollator:
             raise ValueError(f"{field} of example {ex} holds {what} value {int(flat[t])} "
                              f"at index {t - int(doc_off[ex])}")
 
+    def _check_not_ignored(self, flat: np.ndarray, doc_off: np.ndarray) -> None:
+        """Labels from the ids: no id after a document's first may equal ``ignore_index``
+        (its label would silently drop out of the loss)."""
+        bad = flat == self.ignore_index
+        bad[doc_off[:-1][doc_off[:-1] < flat.size]] = False  # a first token is no one's label
+        if bad.any():
+            t = int(np.argmax(bad))
+            ex = int(np.searchsorted(doc_off, t, side="right")) - 1
+            raise ValueError(f"ignore_index={self.ignore_index} is a token of input_ids of "
+                             f"example {ex} (index {t - int(doc_off[ex])}): that label would be "
+                             "ignored by the loss; use a negative ignore_index (the default -100)")
+
     def pack(self, examples: Sequence[Any]) -> PackedBatch:
         """The global batch (``cp_size == 1`` layout, sequences padded for ``cp_size``)."""
         if isinstance(examples, Mapping):
@@ -308,6 +330,8 @@ class PackingCollator:
         src = np.concatenate([*lab_src, np.zeros(1, np.int64)]) if has_labels else flat_ids
         if has_labels:
             self._check_values(src[:-1], doc_off, "labels")
+        elif self.ignore_index >= 0:
+            self._check_not_ignored(flat_ids[:-1], doc_off)
         # Next-token labels over the flat documents, ignore_index at each document's end.
         flat_lab = np.empty_like(src)
         flat_lab[:-1] = src[1:]

@@ -218,6 +218,9 @@ def check_inputs(name: str, scores: torch.Tensor, labels: torch.Tensor, ignore_i
                          f"{tuple(scores.shape)}")
     if not scores.is_floating_point():
         raise TypeError(f"{name} must be a float tensor, got {scores.dtype}")
+    if scores.is_meta:
+        raise ValueError(f"{name} is on the meta device (shapes without data): the loss cannot "
+                         "be computed nor its labels checked; pass materialised tensors")
     if labels.dim() != 1 or labels.shape[0] != scores.shape[0]:
         raise ValueError(f"labels must be [T] with T = {name}.shape[0] = {scores.shape[0]}, "
                          f"got shape {tuple(labels.shape)}")
@@ -404,11 +407,14 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
             raise TypeError(f"weight must be a torch.Tensor, got {type(weight).__name__}")
         if weight.dim() != 2:
             raise ValueError(f"weight must be 2-D [V, d], got shape {tuple(weight.shape)}")
+        if isinstance(hidden, torch.Tensor) and hidden.dim() == 2 and (
+                weight.shape[1] != hidden.shape[1]):  # before the labels, which it would bound
+            flipped = " (transposed? the LM head's weight is [V, d])" if (
+                weight.shape[0] == hidden.shape[1]) else ""
+            raise ValueError(f"weight must be [V, d] with d = hidden.shape[1] = {hidden.shape[1]}, "
+                             f"got shape {tuple(weight.shape)}{flipped}")
         ignore_index = check_inputs("hidden", hidden, labels, ignore_index, cu_seqlens,
                                     n_classes=weight.shape[0])
-        if weight.shape[1] != hidden.shape[1]:
-            raise ValueError(f"weight must be [V, d] with d = hidden.shape[1] = {hidden.shape[1]}, "
-                             f"got shape {tuple(weight.shape)}")
         if weight.dtype != hidden.dtype or weight.device != hidden.device:
             raise TypeError(f"weight must have hidden's dtype and device ({hidden.dtype}, "
                             f"{hidden.device}), got ({weight.dtype}, {weight.device})")

@@ -82,7 +82,7 @@ class PerDocumentPlan(FrozenPlan):
               seq_lens: torch.Tensor | None = None, ulysses_size: int | None = None,
               softmax_scale: float | None = None, backend: str | None = None,
               window: int | None | tuple = None, sinks: bool = False,
-              _check=None) -> PerDocumentPlan:
+              _check=None, _extra_sig=None) -> PerDocumentPlan:
         """Build the plan of this rank's shard; collective over ``group`` (more than one rank):
         one ``all_gather_object`` of the ranks' argument checks, arguments and placement
         digest, and the split part's :meth:`CPAttentionPlan.build` when the batch has split
@@ -134,7 +134,8 @@ class PerDocumentPlan(FrozenPlan):
                    "shape": (q_heads, kv_heads, head_dim), "dtype": str(dtype),
                    "n_tokens": n_tokens, "causal": causal, "method": method,
                    "ulysses_size": ulysses_size, "softmax_scale": softmax_scale,
-                   "backend": backend, "window": list(windows), "sinks": sinks}
+                   "backend": backend, "window": list(windows), "sinks": sinks,
+                   **(_extra_sig or {})}
         except (TypeError, ValueError) as exc:
             error = exc
         if group is not None:

@@ -135,10 +135,14 @@ def shard_tensor(x: torch.Tensor, cu_seqlens: torch.Tensor, cp_size: int, cp_ran
     ``cu_seqlens[-1] / C`` rows along ``dim``.
 
     Raises: TypeError/ValueError naming the argument: ``x`` not a tensor or with
-    fewer than ``cu_seqlens[-1]`` rows along ``dim``; see :func:`cp_shard_indices`.
+    fewer than ``cu_seqlens[-1]`` rows along ``dim``, ``dim`` not a dimension of ``x``;
+    see :func:`cp_shard_indices`.
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r}: not a dimension of x (shape {tuple(x.shape)}); the "
+                         "token dimension is meant (default 0)")
     idx = cp_shard_indices(cu_seqlens, cp_size, cp_rank)
     total = int(cu_seqlens[-1])
     if x.shape[dim] < total:

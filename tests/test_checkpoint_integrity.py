@@ -175,6 +175,27 @@ def test_resume_refuses_a_checkpoint_of_another_run(reference, tmp_path):
     assert not dist.is_initialized()
 
 
+@pytest.mark.parametrize("kind", ["symlink", "renamed"])
+def test_resume_refuses_a_checkpoint_that_is_not_the_save_its_name_says(kind, reference, tmp_path):
+    """Round 4 #7: step_3 a symlink to step_1 (or step_2 renamed step_3) was resumed 'at step
+    1', trained steps 2-3, then failed at the save (rmtree of a symlink) after the work. Now
+    the load stops before training, naming the path."""
+    run = _copy_run(reference[0], tmp_path / "run")
+    root = os.path.join(run, "checkpoints")
+    shutil.rmtree(os.path.join(root, STEP3))
+    if kind == "symlink":
+        os.symlink(STEP1, os.path.join(root, STEP3))
+        match = rf"{root}/{STEP3} is a symbolic link \(to {STEP1}\).*nothing was loaded"
+    else:
+        os.rename(os.path.join(root, STEP2), os.path.join(root, STEP3))
+        match = (rf"{root}/{STEP3} is named for step 3 but its {MANIFEST} records step 2 "
+                 r"\(renamed or copied\?\).*nothing was loaded")
+    with pytest.raises(CheckpointError, match=match):
+        main(RUN + ["--out-dir", run, "--resume", "--steps", "4"])
+    assert not dist.is_initialized()
+    assert not os.path.exists(os.path.join(root, "step_00000004"))
+
+
 def test_resume_refuses_when_no_checkpoint_verifies(reference, tmp_path):
     """Every checkpoint damaged: a clear error listing each (starting over would discard the run)."""
     run = _copy_run(reference[0], tmp_path / "run")

@@ -224,6 +224,21 @@ def test_auto_at_cp_1_runs_what_the_methods_run():
     assert attention_plan(placed, method="auto", **kw).kind == "per_document"
 
 
+def test_calibrate_in_one_process_marks_the_links_not_measured(tmp_path, capsys):
+    """Round 4 #21: before, one process printed the shipped link bandwidths beside the measured
+    numbers, the file said source 'measured (reference)', and small rates read '0 TFLOP/s'."""
+    from cp_rope.parallel.calibrate import LINKS_NOT_MEASURED
+    from cp_rope.parallel.calibrate import main as calibrate
+    out = tmp_path / "c.json"
+    assert calibrate(["--out", str(out), "--tokens", "64", "--iters", "1"]) == 0
+    line = capsys.readouterr().out
+    assert f"all-to-all 154 GB/s -- {LINKS_NOT_MEASURED}" in line, line
+    assert " 0 TFLOP/s" not in line and " HBM 0 GB/s" not in line, line
+    cal = calib.load_calibration(str(out))
+    assert json.load(open(out))["source"].startswith(f"measured (reference); {LINKS_NOT_MEASURED}")
+    assert cal.p2p_gbps == calib.default_calibration().p2p_gbps
+
+
 @pytest.mark.parametrize("flags,match", [
     (["--tokens", "0"], r"--tokens must be >= 2"),
     (["--iters", "0"], r"--iters must be >= 1"),

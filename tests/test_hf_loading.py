@@ -53,6 +53,33 @@ def test_patched_model_input_id_outside_vocab():
         model(**model_inputs(batch))
 
 
+def test_patch_model_float64_with_the_rope_kernel_says_rope_kernel_false():
+    """Round 4 #19: before, the patch was accepted and the forward failed in cp_rope/ops.py
+    naming a q the user never passed. Refused at patch_model (and at the forward of a model
+    cast after the patch); rope_kernel=False runs float64."""
+    from cp_rope.hf import model_inputs, patch_model
+    from cp_rope.parallel import PackingCollator
+    with pytest.raises(ValueError, match=r"rope_kernel=True: cp_rope's RoPE kernel runs float32, "
+                                         r"float16 and bfloat16; this model is torch\.float64: "
+                                         r"pass rope_kernel=False"):
+        patch_model(_llama().double())
+    inputs = model_inputs(PackingCollator()([[1, 2, 3, 4]]))
+    assert patch_model(_llama().double(), rope_kernel=False)(**inputs).logits.dtype == torch.float64
+    cast_after = patch_model(_llama()).double()
+    with pytest.raises(ValueError, match=r"this model is torch\.float64: pass rope_kernel=False"):
+        cast_after(**inputs)
+
+
+def test_patched_model_empty_batch_named():
+    """Round 4 #20: before, transformers' 'cannot reshape tensor of 0 elements'."""
+    from cp_rope.hf import model_inputs, patch_model
+    from cp_rope.parallel import PackingCollator
+    model = patch_model(_llama())
+    with pytest.raises(ValueError, match=r"batch: no tokens \(T = 0 rows.*pad_to_multiple"):
+        model(**model_inputs(PackingCollator()([])))
+    assert model(**model_inputs(PackingCollator(pad_to_multiple=4)([]))).logits.shape == (1, 4, 100)
+
+
 # ------------------------------------------------------------------ damaged --model directories
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
@@ -98,6 +125,27 @@ def test_model_dir_config_disagrees_with_weights(model_dir, tmp_path, field, val
     with pytest.raises(ConfigError, match=r"hf\.model=.*damaged.*(weights cannot be loaded|"
                                           r"do not match config\.json)"):
         _finetune(d, tmp_path)
+
+
+@pytest.mark.parametrize("window", [0, -4])
+def test_model_dir_sliding_window_below_one_named(tmp_path, window):
+    """Round 4 #13: before, a [rank0] traceback at the first forward ('window must be >= 1')
+    naming neither config.json nor sliding_window."""
+    from cp_rope.hf import patch_model
+    cfg = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                     num_key_value_heads=2, num_hidden_layers=1, vocab_size=320,
+                                     sliding_window=16)
+    d = tmp_path / "mistral"
+    cfg.save_pretrained(d)
+    raw = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**raw, "sliding_window": window}))
+    with pytest.raises(ConfigError, match=rf"hf\.model=.*mistral.*: config\.sliding_window="
+                                          rf"{window}: must be an int >= 1"):
+        _finetune(d, tmp_path)
+    model = transformers.MistralForCausalLM(cfg)
+    model.config.sliding_window = window
+    with pytest.raises(ValueError, match=rf"config\.sliding_window={window}: must be an int >= 1"):
+        patch_model(model)
 
 
 def test_load_causal_lm_intact_dir_loads(model_dir):

@@ -201,6 +201,17 @@ def test_auto_chunk_size():
     ({"labels": torch.tensor([0, 1, 5, -100])}, ValueError, r"labels.*weight.shape\[0\]"),
     ({"hidden": torch.zeros(4, 4, dtype=torch.long)}, TypeError, "hidden"),
     ({"labels": torch.zeros(3, dtype=torch.long)}, ValueError, "labels"),
+    # round 4 #4: a transposed weight was blamed on the labels (5 >= weight.shape[0] = 4)
+    ({"hidden": torch.zeros(4, 5, dtype=torch.float64),
+      "weight": torch.zeros(5, 6, dtype=torch.float64), "labels": torch.tensor([0, 1, 5, -100])},
+     ValueError, r"weight must be \[V, d\] with d = hidden.shape\[1\] = 5, got shape \(5, 6\) "
+                 r"\(transposed\?"),
+    ({"softcap": True}, ValueError, "softcap=True"),  # round 4 #6 (fixed in 7c0d810)
+    # round 4 #5: all on meta returned a meta "loss" (at 8f6c850: a raw .item() error)
+    ({"hidden": torch.zeros(4, 4, dtype=torch.float64, device="meta"),
+      "weight": torch.zeros(5, 4, dtype=torch.float64, device="meta"),
+      "labels": torch.tensor([0, 1, 4, -100], device="meta")}, ValueError,
+     "hidden is on the meta device"),
 ])
 def test_bad_input_names_the_argument(kw, exc, match):
     args = {"hidden": torch.zeros(4, 4, dtype=torch.float64),

@@ -587,6 +587,27 @@ def test_ignore_index_at_or_beyond_vocab_size_is_not_a_bad_label():
         PackingCollator(vocab_size=10, ignore_index=10)([{"input_ids": [1, 2], "labels": [10, 11]}])
 
 
+def test_bad_ignore_index_inside_the_vocabulary():
+    """Round 4 #1: before, ignore_index=5 with vocab_size=10 gave labels [0, 2, 7, 5]: the
+    real label 5 read as ignored and silently dropped out of the loss."""
+    with pytest.raises(ValueError, match=r"ignore_index=5 is a token id of the vocabulary "
+                                         r"\[0, vocab_size=10\)"):
+        PackingCollator(ignore_index=5, vocab_size=10)
+    with pytest.raises(ValueError, match=r"ignore_index=0 is a token of input_ids of example 1 "
+                                         r"\(index 2\)"):
+        PackingCollator(ignore_index=0)([[3, 4], [0, 1, 0]])
+    b = PackingCollator(ignore_index=0)([[0, 1, 2]])  # a first token is no one's label
+    assert b.labels.tolist() == [1, 2, 0, 0]
+
+
+def test_bad_meta_tensor_examples_named():
+    """Round 4 #2: before, NotImplementedError 'Cannot copy out of meta tensor'."""
+    with pytest.raises(ValueError, match="input_ids of example 0 is on the meta device"):
+        PackingCollator()([torch.tensor([1, 2, 3]).to("meta")])
+    with pytest.raises(ValueError, match="labels of example 0 is on the meta device"):
+        PackingCollator()([{"input_ids": [1, 2], "labels": torch.tensor([1, 2], device="meta")}])
+
+
 def test_bad_max_tokens_not_a_multiple_of_pad_to_multiple():
     """Otherwise a batch within the budget (70 tokens) pads past it (128 > 100) at run time."""
     with pytest.raises(ValueError, match="max_tokens=100 must be a multiple of pad_to_multiple=64"):

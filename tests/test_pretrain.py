@@ -355,6 +355,7 @@ def test_torchrun_main_job(tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out
     assert "world 2 = dp 1 x cp 2" in out and re.search(r"done: steps 1\.\.3: loss .* tokens/s", out), out
+    assert f"cp_rope from {REPO}" in out, out  # round 4 #9: which checkout the workers run
     steps = [json.loads(line)["step"] for line in open(tmp_path / "metrics.jsonl")]
     assert steps == [1, 2, 3]
 
@@ -569,3 +570,39 @@ def test_a_run_directory_that_fails_mid_run_ends_with_one_error_line(tmp_path, m
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     why = "was deleted while the run ran" if fault == "deleted" else "cannot be appended"
     assert len(errors) == 1 and re.match(rf"error: step 2: {out}/metrics\.jsonl {why}", errors[0]), errors
+
+
+_PER_RANK_WRAPPER = """import os, runpy, sys
+sys.argv += os.environ.get("EXTRA" + os.environ["RANK"], "").split()
+runpy.run_module("cp_rope.launch.pretrain", run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("extra, expect", [
+    ({"1": "--lr -1"}, ["error: rank 1: optim.lr=-1.0: must be > 0"]),
+    ({"1": "--bogus-flag"}, ["error: rank 1:", "Unrecognized options: --bogus-flag"]),
+    ({"1": "--help"}, ["error: rank 1: exited with status 0 before the process group (--help?)"]),
+    ({"0": "--lr -1", "1": "--lr -1"}, ["error: optim.lr=-1.0: must be > 0"]),
+])
+def test_torchrun_a_refusal_on_one_rank_is_printed_and_every_rank_stops_at_once(tmp_path, extra,
+                                                                                 expect):
+    """Before: a config or usage error on rank 1 only was never printed (only rank 0 printed,
+    and it had none); rank 1 exiting early (--help) left rank 0 in init_process_group for
+    the whole --timeout-s, then a raw DistStoreError. Now the ranks agree on their start
+    (launch/start_gate.py): rank 0 prints rank 1's reason and every rank stops in seconds;
+    an error every rank has is printed once."""
+    wrapper = tmp_path / "wrap.py"
+    wrapper.write_text(_PER_RANK_WRAPPER)
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{f"EXTRA{r}": e for r, e in extra.items()})
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(wrapper), *TINY, "--cp-size", "2", "--steps", "1", "--timeout-s", "200",
+           "--out-dir", str(tmp_path / "run")]
+    start = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=150)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and time.monotonic() - start < 100, out
+    for text in expect:
+        assert text in out, out
+    assert "DistStoreError" not in out and not (tmp_path / "run").exists(), out
+    assert sum(line.startswith("error:") for line in out.splitlines()) == (
+        1 if len(extra) == 2 else 2), out  # rank 1's reason, then "rank 1 did not start"

@@ -172,6 +172,9 @@ def test_bad_shard_tensor_rows():
             shard_tensor(torch.arange(6), cu, 2, rank)
     with pytest.raises(TypeError, match="x must be a torch.Tensor"):
         shard_tensor([1, 2], cu, 2, 0)
+    for dim in (1, -2, True, 0.0):  # round 4 #22: dim=1 of a 1-D x was an IndexError
+        with pytest.raises(ValueError, match=rf"dim={dim!r}: not a dimension of x \(shape \(8,\)\)"):
+            shard_tensor(torch.arange(8), cu, 2, 0, dim=dim)
     with pytest.raises(TypeError, match="local must be a torch.Tensor"):
         unshard([1, 2], torch.tensor([0, 2]))
     with pytest.raises(TypeError, match="cu_seqlens must be a torch.Tensor"):

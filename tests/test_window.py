@@ -114,6 +114,10 @@ def test_bad_window_and_sinks_named():
                      ("4", TypeError)):
         with pytest.raises(exc, match="window"):
             context_parallel_attention(q, k, v, cu, 8, window=bad)
+    for bad in ([None, 3], [2, 3], (3,)):  # round 4 #3: the list's first window ran, silently
+        with pytest.raises(TypeError, match=r"window must be an int or None here, got .*"
+                                            r"attention_plan\(window=\[\.\.\.\]\)"):
+            context_parallel_attention(q, k, v, cu, 8, window=bad)
     with pytest.raises(ValueError, match="window=4 needs causal=True"):
         check_window(4, causal=False)
     with pytest.raises(ValueError, match="window"):
@@ -327,6 +331,17 @@ def _disagreement(rank, C, group):
         context_parallel_attention(q, k, v, cu, 4, group=group, sinks=bad)
     with pytest.raises((TypeError, RuntimeError), match="window"):
         context_parallel_attention(q, k, v, cu, 4, group=group, window=2.5 if rank else 2)
+    # round 4 #17: sink values that differ across ranks ran, each rank's rows with its own
+    own = torch.full((2,), float(rank), dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="sinks_sha256"):
+        context_parallel_attention(q, k, v, cu, 4, group=group, sinks=own)
+    placed = place_documents(torch.arange(0, 4 * C + 1, 4, dtype=torch.int32), C, 4)  # whole docs
+    assert placed.n_rows == 4
+    with pytest.raises(RuntimeError, match="sinks_sha256"):
+        context_parallel_attention(q, k, v, placement=placed, group=group, sinks=own)
+    same = torch.full((2,), 0.5, dtype=torch.float64)
+    context_parallel_attention(q, k, v, cu, 4, group=group, sinks=same)
+    context_parallel_attention(q, k, v, placement=placed, group=group, sinks=same)
 
 
 def _parity_body(rank, world_size):

@@ -26,23 +26,36 @@ from __future__ import annotations
 
 from .rope import rope_dicts
 
-__all__ = ["check_family", "LAYER_TYPES"]
+__all__ = ["check_family", "check_sliding_window", "LAYER_TYPES"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """The ``config.layer_types`` values cp_rope runs (the others' attention it has not checked)."""
+
+
+def check_sliding_window(cfg) -> None:
+    """ValueError naming ``config.sliding_window`` unless it is null or an int >= 1 (tokens:
+    transformers' W; a family that does not use it stores null, e.g. Qwen2 without
+    ``use_sliding_window``)."""
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int)
+                               or window < 1):
+        raise ValueError(f"config.sliding_window={window!r}: must be an int >= 1 (the window "
+                         "in tokens) or null (no sliding window)")
 
 
 def check_family(model, attns) -> None:
     """ValueError naming the config field of a feature of ``model`` that cp_rope cannot
     honour, or whose per-layer lists are inconsistent; ``attns`` its attention modules.
 
-    Refused: ``attn_logit_softcapping`` (not None), ``use_bidirectional_attention``, a
+    Refused: a ``sliding_window`` that is not null or an int >= 1 (:func:`check_sliding_window`),
+    ``attn_logit_softcapping`` (not None), ``use_bidirectional_attention``, a
     ``layer_types`` of another length than ``num_hidden_layers`` or with a type other than
     :data:`LAYER_TYPES`, a ``"sliding_attention"`` layer without a positive
     ``sliding_window``, sinks on some layers only, a length-dependent RoPE
     (``dynamic`` / ``longrope``) in a per-layer-type ``rope_parameters``.
     """
     cfg = model.config
+    check_sliding_window(cfg)
     cap = getattr(cfg, "attn_logit_softcapping", None)
     if cap is not None:
         raise ValueError(

@@ -13,6 +13,7 @@ from ._compat import (
     AutoModelForCausalLM,
     PreTrainedModel,
 )
+from .families import check_sliding_window
 
 __all__ = ["local_config", "load_causal_lm"]
 
@@ -36,7 +37,8 @@ def local_config(path: str):
     """The transformers config in the local directory ``path`` (never downloads).
 
     Raises: ValueError naming ``model`` for a path that is not a local directory
-    with ``config.json``, a ``config.json`` transformers cannot read, or a model family :func:`patch_model` does not support.
+    with ``config.json``, a ``config.json`` transformers cannot read, a model family :func:`patch_model` does not support,
+    or a ``config.sliding_window`` that is not null or an int >= 1.
     """
     if not os.path.isdir(path) or not os.path.isfile(os.path.join(path, "config.json")):
         raise ValueError(f"model={path!r}: not a local directory with config.json (cp_rope "
@@ -51,6 +53,10 @@ def local_config(path: str):
     if config.model_type not in FAMILIES:
         raise ValueError(f"model={path!r}: model_type {config.model_type!r} is not supported by "
                          f"cp_rope.hf (supported: {', '.join(SUPPORTED_FAMILIES)})")
+    try:
+        check_sliding_window(config)
+    except ValueError as exc:
+        raise ValueError(f"model={path!r}: {exc}") from None
     return config
 
 

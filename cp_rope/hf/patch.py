@@ -26,7 +26,7 @@ from ._forward import check_forward
 from .families import check_family
 from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
 from .plan import build_plan, check_passed_plan, check_rope_length
-from .rope import PackedRope, check_rope, install_rope_dispatcher, packed_rope
+from .rope import PackedRope, check_rope, check_rope_dtype, install_rope_dispatcher, packed_rope
 from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
 from .window import layer_windows
 
@@ -194,7 +194,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         ValueError: unsupported family; a model already patched for another group
             (:func:`unpatch_model` first); a ``group`` this process is not in; unknown
             method/backend; a rope dict that cp_rope cannot reproduce with
-            ``rope_kernel=True`` (``dynamic``, ``longrope``: pass ``rope_kernel=False``).
+            ``rope_kernel=True`` (``dynamic``, ``longrope``: pass ``rope_kernel=False``);
+            ``rope_kernel=True`` on a float64 model (the kernel runs float32/16/bf16: pass
+            ``rope_kernel=False``).
     """
     module, attn_name, rotary_name = _family(model)
     rope_kernel = check_bool("rope_kernel", rope_kernel)
@@ -239,6 +241,8 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         check_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens")
     if fused_norm:
         check_forward(rms_norm_modules(model, module), _fused_forward, "fused_norm")
+    if rope_kernel:  # last: a family's own refusals above name what it cannot run at all
+        check_rope_dtype(model.dtype)
     # nothing below refuses
     if old is not None:
         unpatch_model(model)
@@ -311,6 +315,11 @@ def _before_forward(patch: CPRopePatch, embed: nn.Module, args, kwargs):
 
     def check():  # rank-local: inside the plan build's agreement, so every rank raises
         _check_keys(kwargs, cu, max_len)
+        if n_rows == 0:  # transformers' attention reshapes [1, T, -1, D]: no T = 0
+            raise ValueError("batch: no tokens (T = 0 rows, e.g. PackingCollator()([])): a "
+                             "transformers model cannot run an empty sequence; skip the batch, "
+                             "or collate with PackingCollator(pad_to_multiple=...), which pads "
+                             "an empty batch to one padding sequence")
         check_rope_length(patch, int(max_len))
         if content_checks_enabled(pos) and content_checks_enabled(cu):
             _check_positions(patch, pos, cu, placement)

@@ -23,7 +23,19 @@ from torch import nn
 from cp_rope.cache import inv_freq as _cp_inv_freq
 from cp_rope.ops import apply_rotary_emb_qk
 
-__all__ = ["PackedRope", "check_rope", "install_rope_dispatcher", "packed_rope", "rope_dicts"]
+__all__ = ["PackedRope", "check_rope", "check_rope_dtype", "install_rope_dispatcher", "packed_rope",
+           "rope_dicts"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""What cp_rope's RoPE kernel rotates (:func:`cp_rope.ops.apply_rotary_emb_qk`)."""
+
+
+def check_rope_dtype(dtype: torch.dtype) -> None:
+    """ValueError naming ``rope_kernel`` unless the kernel runs ``dtype`` (the model's)."""
+    if dtype not in _KERNEL_DTYPES:
+        raise ValueError(f"rope_kernel=True: cp_rope's RoPE kernel runs float32, float16 and "
+                         f"bfloat16; this model is {dtype}: pass rope_kernel=False (the model's "
+                         "own rotation runs any dtype)")
 
 _HINT = "; pass rope_kernel=False to keep the model's own rotary embedding"
 
@@ -158,6 +170,7 @@ def packed_rope(patch, args, kwargs, out):
     plan = patch._current
     if plan is None:  # called outside the model's forward: leave it alone
         return out
+    check_rope_dtype(out[0].dtype)  # the model's dtype (cast after patch_model)
     key = args[2] if len(args) > 2 else kwargs.get("layer_type")
     rope_args = plan.rope_args()
     cos, sin = patch.tables(out[0].device, rope_args["max_position_id"] + 1, key)
