@@ -51,6 +51,7 @@ from cp_rope.parallel import (
 )
 
 from .config import ConfigError, DataConfig, ModelConfig, ParallelConfig
+from .memory_shapes import Shapes
 
 __all__ = [
     "ByteTokenizer", "HFTokenizer", "Corpus", "load_tokenizer", "load_corpus", "stdlib_files",
@@ -440,22 +441,24 @@ class TokenDataset(Dataset):
 
 
 def placement_args(parallel: ParallelConfig, model: ModelConfig, *,
-                   dtype: torch.dtype = torch.bfloat16, calibration=None) -> dict:
+                   dtype: torch.dtype = torch.bfloat16, calibration=None, shapes=None) -> dict:
     """``build_loader``'s ``placement`` / ``split_threshold`` for a run: ``--cp-placement``,
     and for ``per_document`` ``--cp-split-threshold`` or, unset,
     :func:`cp_rope.parallel.default_split_threshold` of the model's head_dim and cp_size.
-    ``auto``: the arguments of :class:`~cp_rope.parallel.cost_model.AutoPlacement`, with the
-    run's compute ``dtype``, block backend (``--attn-backend``'s throughput table) and
-    ``calibration`` (``--cp-calibration``'s constants, None: the shipped defaults)."""
-    threshold = parallel.cp_split_threshold
+    ``auto``: :class:`~cp_rope.parallel.cost_model.AutoPlacement`'s arguments: the run's compute
+    ``dtype``, block backend (``--attn-backend``'s throughput table), ``calibration``
+    (``--cp-calibration``'s; None: the shipped defaults), and the heads, head_dim and every
+    layer's window of ``shapes`` (a transformers model's; default: ``model``'s)."""
+    s, threshold = shapes or Shapes.from_model_config(model), parallel.cp_split_threshold
+    window = list(s.windows) if any(w is not None for w in s.windows) else None
     if parallel.cp_placement == "auto":  # chosen per batch by the cost model (auto_args)
         return {"placement": "auto", "split_threshold": None, "auto_args": dict(
-            q_heads=model.n_heads, kv_heads=model.n_kv_heads, head_dim=model.dim // model.n_heads,
+            q_heads=s.n_heads, kv_heads=s.n_kv_heads, head_dim=s.head_dim, window=window,
             method=parallel.cp_method, dtype=dtype, backend=parallel.attn_backend,
             calibration=calibration,
             ulysses_size=parallel.ulysses_size if parallel.cp_method == "hybrid" else None)}
     if parallel.cp_placement == "per_document" and threshold is None:
-        threshold = default_split_threshold(model.dim // model.n_heads, parallel.cp_size)
+        threshold = default_split_threshold(s.head_dim, parallel.cp_size)
     return {"placement": parallel.cp_placement, "split_threshold": threshold}
 
 

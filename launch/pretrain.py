@@ -282,7 +282,8 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
         cfg, memory_note = auto_settings(cfg, device, dp=dims.dp, cp=dims.cp, shapes=memory_shapes)
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
-    placement = placement_args(cfg.parallel, cfg.model, dtype=dtype, calibration=calibration)
+    placement = placement_args(cfg.parallel, cfg.model, dtype=dtype, calibration=calibration,
+                               shapes=memory_shapes)
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
                                    pin_memory=device.type == "cuda", **placement)

@@ -3,6 +3,7 @@ self-test; the choice and the calibration on the plan, no module-level state).""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 
 import pytest
@@ -215,3 +216,28 @@ def test_trainer_under_auto_logs_each_step_s_plan_choice(tmp_path):
     from dist_utils import run_distributed
 
     run_distributed(_trainer_auto_body, 2, str(tmp_path), timeout_s=300)
+
+
+def test_trainers_auto_placement_prices_the_model_s_own_head_dim_and_windows():
+    """finetune_hf's transformers model: AutoPlacement gets its head_dim (Gemma 3 / Qwen3 set
+    one other than hidden / heads) and every layer's window, not the dense ModelConfig's."""
+    from cp_rope.launch.config import ModelConfig, ParallelConfig
+    from cp_rope.launch.data import placement_args
+    from cp_rope.launch.memory_shapes import Shapes
+
+    model = ModelConfig(dim=1152, n_layers=6, n_heads=4, n_kv_heads=1, ffn_hidden_dim=64)
+    shapes = Shapes(dim=1152, n_layers=6, n_heads=4, n_kv_heads=1, head_dim=256, ffn=64,
+                    vocab=320, windows=(512,) * 5 + (None,))
+    par = ParallelConfig(cp_size=2, cp_placement="auto")
+    auto = placement_args(par, model, shapes=shapes)["auto_args"]
+    assert (auto["q_heads"], auto["kv_heads"], auto["head_dim"]) == (4, 1, 256)
+    assert auto["window"] == [512] * 5 + [None]
+    dense = placement_args(par, model)["auto_args"]
+    assert (dense["head_dim"], dense["window"]) == (288, None)
+    full = dataclasses.replace(shapes, windows=(None,) * 6)
+    assert placement_args(par, model, shapes=full)["auto_args"]["window"] is None
+    per_doc = dataclasses.replace(par, cp_placement="per_document")
+    from cp_rope.parallel import default_split_threshold
+
+    assert placement_args(per_doc, model, shapes=shapes)["split_threshold"] == \
+        default_split_threshold(256, 2)
