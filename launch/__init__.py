@@ -10,7 +10,10 @@ Read in this order (torchtitan's shape):
   between steps.
 * :mod:`cp_rope.launch.config`: typed configs with per-field docs, presets (tiny, 125m, 1b,
   8b), ``validate`` (errors name the field).
-* :mod:`cp_rope.launch.cli`: reading a config with tyro: preset < TOML/JSON file < flags.
+* :mod:`cp_rope.launch.cli`: reading a config with tyro: preset < TOML/JSON file < flags;
+  :mod:`cp_rope.launch.start_gate`: under torchrun every rank's parse / validate outcome is
+  agreed on the rendezvous store before the process group (another rank's error printed,
+  an early exit stops every rank).
 * :mod:`cp_rope.launch.model`: the Llama-style decoder (cp_rope RoPE, CP attention, GQA, SwiGLU);
   ``model.attention_plan(batch)`` builds the plan it takes.
 * :mod:`cp_rope.launch.parallelize`: ``parallelize(model, mesh, cfg)``: CP wiring, activation
@@ -18,13 +21,17 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.optim`: AdamW groups, the LR schedule, gradient reduction and clipping.
 * :mod:`cp_rope.launch.data`: corpora (Python stdlib, JSONL, .txt, .bin), tokenizers, the packed loader.
 * :mod:`cp_rope.launch.checkpoint`: torch.distributed.checkpoint save / resume.
-* :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``).
+* :mod:`cp_rope.launch.run_dir`: the ``--out-dir`` rules (fresh, ``--overwrite``, ``--resume``);
+  :mod:`cp_rope.launch.resume_config`: the fields a ``--resume`` must keep.
 * :mod:`cp_rope.launch.run_identity`: the ranks' agreement on the run (config, input contents)
   before step 1; :mod:`cp_rope.launch.run_lock`: one run per ``--out-dir``.
 * :mod:`cp_rope.launch.tokenizer`: the run's tokenizer (the main job's byte-level BPE, trained
   once per run directory) and held-out split; :mod:`cp_rope.launch.evaluate`: the held-out loss.
 * :mod:`cp_rope.launch.metrics`: throughput, MFU and bits-per-byte arithmetic, rank-0 logging.
 * :mod:`cp_rope.launch.plot`: ``report.png`` of a run, ``python -m cp_rope.launch.plot RUN...``.
+* :mod:`cp_rope.launch.plan_memory`: the memory planner (``--memory auto``, ``python -m
+  cp_rope.launch.plan_memory``), over :mod:`cp_rope.launch.memory_shapes` (a model's shapes:
+  experts, per-layer windows, a transformers ``config.json``).
 * :mod:`cp_rope.launch.finetune_hf`: the same trainer on a local transformers checkpoint
   (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``);
   :mod:`cp_rope.launch.hf_model`: its model, ``HFCausalLM`` (the same ``attention_plan`` /
