@@ -126,9 +126,10 @@ class Shapes:
             c = local_config(path)
         except ValueError as exc:
             raise ConfigError(str(exc)) from exc
+        _check_hf_config(path, c)
         heads, n = c.num_attention_heads, c.num_hidden_layers
         experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
-        step, dense = getattr(c, "decoder_sparse_step", 1) or 1, getattr(c, "mlp_only_layers", ())
+        step, dense = getattr(c, "decoder_sparse_step", 1), getattr(c, "mlp_only_layers", ())
         sw, types = getattr(c, "sliding_window", None), getattr(c, "layer_types", None)
         windows = (tuple(sw if t == "sliding_attention" else None for t in types) if types
                    else (sw,) * n if sw else ())
@@ -143,3 +144,32 @@ class Shapes:
                    moe_layers=sum(1 for i in range(n) if i not in (dense or ())
                                   and (i + 1) % step == 0) if experts else None,
                    expert_bias=bool(experts) and c.model_type == "gpt_oss", windows=windows)
+
+
+def _check_hf_config(path: str, c) -> None:
+    """ConfigError naming ``config.<field>`` of ``path``'s config.json for shapes no model has:
+    a size < 1, query heads not a multiple of the KV heads, more experts per token than
+    experts, a ``decoder_sparse_step`` < 1, a layer type cp_rope.hf does not run."""
+    from cp_rope.hf.families import LAYER_TYPES
+
+    def bad(field, value, why):
+        raise ConfigError(f"model={path!r}: config.{field}={value!r}: {why}")
+
+    for field in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size",
+                  "vocab_size", "num_key_value_heads", "head_dim", "num_local_experts",
+                  "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                  "decoder_sparse_step"):
+        value = getattr(c, field, None)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1) and not (field == "num_experts" and value == 0):
+            bad(field, value, "must be an int >= 1")
+    heads, kv = c.num_attention_heads, getattr(c, "num_key_value_heads", None) or c.num_attention_heads
+    if heads % kv:
+        bad("num_attention_heads", heads, f"must be a multiple of num_key_value_heads={kv} (GQA)")
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None) or 0
+    per_tok = getattr(c, "num_experts_per_tok", None) or 0
+    if experts and per_tok > experts:
+        bad("num_experts_per_tok", per_tok, f"more than the {experts} experts")
+    other = sorted(set(getattr(c, "layer_types", None) or ()) - set(LAYER_TYPES))
+    if other:
+        bad("layer_types", other, f"cp_rope.hf runs only {list(LAYER_TYPES)}")

@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--seq-len", type=int, required=True,
                    help="tokens per step of one CP group (the global batch of a dp rank)")
     p.add_argument("--doc-len", type=int, default=0,
-                   help="document length, tokens (default: --seq-len, one sequence)")
+                   help="document length, tokens (default 0: --seq-len, one sequence)")
     p.add_argument("--cp-size", type=int, default=1, help="context-parallel ranks (default 1)")
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=141e9 / GIB,
@@ -388,4 +388,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(2 if "error" in main() else 0)  # "nothing fits" is an answer, and a failure

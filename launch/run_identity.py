@@ -16,8 +16,9 @@ with a timeout of :data:`AGREE_TIMEOUT_S` seconds, and every rank raises the sam
 
 Contents (:func:`content_digests`): SHA-256 of the corpus files (the stdlib's or the
 directory's, as read; a ``.jsonl`` / ``.bin`` file), of a tokenizer file and of any extra
-files a trainer names (finetune_hf: the model directory's config and weights). A file
-above :data:`WHOLE_FILE_BYTES` is hashed from its size and :data:`SAMPLES` evenly spaced
+files a trainer names (finetune_hf: the model directory's config and weights). The ranks also
+agree on their ``--cp-calibration`` file (auto's choices follow it; a resume may change it). A
+file above :data:`WHOLE_FILE_BYTES` is hashed from its size and :data:`SAMPLES` evenly spaced
 blocks of :data:`SAMPLE_BYTES` (a full read of a 100 GB corpus on every rank would take
 minutes): a different file is found, an edit between two samples is not.
 """
@@ -218,6 +219,9 @@ def agree_run_identity(cfg: PretrainConfig, *, extra: dict[str, dict] | None = N
             check()
         contents = content_digests(cfg, files)
         ident = identity_fields(cfg, contents, extra)
+        if cfg.parallel.cp_calibration:  # agreed, not kept for a resume (it may change there)
+            ident["contents.parallel.cp_calibration"] = _files_digest(
+                [cfg.parallel.cp_calibration], "parallel.cp_calibration")
     except ConfigError as exc:
         if world == 1:
             raise

@@ -177,7 +177,8 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
             raw = json.load(f)
     except (OSError, ValueError) as exc:
         raise CalibrationError(f"calibration file {path!r}: cannot read it ({exc})") from exc
-    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+    fmt = raw.get("format") if isinstance(raw, dict) else None
+    if isinstance(fmt, bool) or fmt != FORMAT:  # true == 1 in Python: refused as every number
         raise CalibrationError(f"calibration file {path!r}: not a cp_rope calibration (format "
                                f"{FORMAT}); write one with python -m cp_rope.parallel.calibrate")
     fields = [f.name for f in dataclasses.fields(Calibration)]

@@ -58,7 +58,7 @@ from ._calibration import Calibration, calibration_or_default
 from ._cost_terms import method_time, whole_time
 from ._window import check_window, effective_window
 from ._window_cost import causal_pairs
-from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS
+from .choices import A2A_METHODS, BACKEND_CHOICES, METHODS, PLACEMENTS
 from .placement import default_split_threshold, place_documents
 from .ulysses import check_ulysses_args
 
@@ -126,12 +126,20 @@ def _lengths(cu_seqlens) -> np.ndarray:
     return cu
 
 
-def _check_model_args(backend, calibration, q_heads, kv_heads) -> Calibration:
+def _check_model_args(backend, calibration, q_heads, kv_heads, method="auto", placement="auto",
+                      dtype=torch.bfloat16) -> Calibration:
     """The calibration to use; ValueError / TypeError naming ``backend`` (not one of
-    :data:`~cp_rope.parallel.choices.BACKEND_CHOICES`), ``calibration`` (not a
+    :data:`~cp_rope.parallel.choices.BACKEND_CHOICES`), ``method`` / ``placement`` (not
+    ``"auto"`` or one of the lists), ``dtype`` (not a float dtype), ``calibration`` (not a
     :class:`Calibration`: a dict is not read) or the heads (what the plan refuses)."""
     if backend not in BACKEND_CHOICES:
         raise ValueError(f"backend={backend!r}: expected one of {list(BACKEND_CHOICES)}")
+    if method not in ("auto", *METHODS):
+        raise ValueError(f"method={method!r}: expected one of {['auto', *METHODS]}")
+    if placement not in ("auto", *PLACEMENTS):
+        raise ValueError(f"placement={placement!r}: expected one of {['auto', *PLACEMENTS]}")
+    if dtype not in _ELEM:
+        raise TypeError(f"dtype={dtype!r}: expected one of {list(_ELEM)} (the layer's q/k/v dtype)")
     calibration = calibration_or_default(calibration)
     hq = check_int("q_heads", q_heads, min_value=1)
     hkv = check_int("kv_heads", kv_heads, min_value=1)
@@ -185,7 +193,7 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     of kv_heads; a misspelled ``backend``; a ``calibration`` that is not a
     :class:`Calibration`; a split document whose length is not divisible by ``2 * cp_size``).
     """
-    cal = _check_model_args(backend, calibration, q_heads, kv_heads)
+    cal = _check_model_args(backend, calibration, q_heads, kv_heads, dtype=dtype)
     cu = _lengths(cu_seqlens)
     C, _ = check_cp_args(cp_size, 0)
     hq, hkv = q_heads, kv_heads
@@ -344,7 +352,8 @@ def choose(cu_seqlens, *, cp_size: int, q_heads: int, kv_heads: int, head_dim: i
 
     Raises: as :func:`candidate_settings` and :func:`predict`.
     """
-    calibration = _check_model_args(backend, calibration, q_heads, kv_heads)  # before candidates
+    calibration = _check_model_args(backend, calibration, q_heads, kv_heads, method, placement,
+                                    dtype)  # before the candidates
     cands = candidate_settings(cu_seqlens, cp_size=cp_size, q_heads=q_heads, kv_heads=kv_heads,
                                head_dim=head_dim, method=method, placement=placement,
                                split_threshold=split_threshold, ulysses_size=ulysses_size)

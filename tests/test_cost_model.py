@@ -80,6 +80,7 @@ def test_calibration_files(tmp_path):
     ("block_keys", [1.0, False], r"block_keys\[\] must be a number, got bool False"),
     ("crossover", {"64": True}, r"crossover\[64\] must be an int, got bool True"),
     ("crossover", {"64": 8.5}, r"crossover\[64\] must be an int, got float 8\.5"),
+    ("format", True, r"not a cp_rope calibration \(format 1\)"),  # true == 1 (round 4b)
 ])
 def test_calibration_json_booleans_and_strings_are_not_numbers(tmp_path, key, value, match):
     """Issue 35: JSON's true was read as 1 (float(True)), "3.5" as 3.5."""
@@ -106,6 +107,22 @@ def test_choose_and_predict_refuse_what_the_plan_would(kw, exc, match):
         choose([0, 64, 128], **args, **other)
     with pytest.raises(exc, match=match):
         predict([0, 64, 128], Setting("zigzag", None, "ring"), **args, **other)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"method": "bogus"}, ValueError, r"method='bogus': expected one of \['auto', 'ring'"),
+    ({"placement": "bogus"}, ValueError, r"placement='bogus': expected one of \['auto', 'zigzag'"),
+    ({"dtype": torch.int32}, TypeError, r"dtype=torch\.int32: expected one of"),
+    ({"dtype": "bf16"}, TypeError, r"dtype='bf16': expected one of"),
+])
+def test_choose_names_a_bad_method_placement_or_dtype(kw, exc, match):
+    """Round-4b fresh pass: method="bogus" raised a raw TypeError, placement="bogus" read as
+    "no placement runs this batch", an int32 / string dtype was priced as bfloat16."""
+    with pytest.raises(exc, match=match):
+        choose([0, 64, 128], cp_size=2, **H, **kw)
+    if "dtype" in kw:
+        with pytest.raises(exc, match=match):
+            predict([0, 64, 128], Setting("zigzag", None, "ring"), cp_size=2, **H, **kw)
 
 
 def test_measure_on_cpu_writes_a_loadable_file(tmp_path):

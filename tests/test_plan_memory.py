@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
 
 import pytest
 
@@ -326,3 +327,34 @@ def test_plan_memory_refuses_the_sequence_the_trainers_refuse(capsys, flags, mat
     err = capsys.readouterr().err
     assert exc.value.code == 2 and __import__("re").search(match, err), err
     assert str(trainer.value) in err
+
+
+@pytest.mark.parametrize("over,match", [
+    (dict(model_type="llama", hidden_size=-1024), r"config\.hidden_size=-1024: must be an int >= 1"),
+    (dict(model_type="llama", num_attention_heads=8, num_key_value_heads=3),
+     r"config\.num_attention_heads=8: must be a multiple of num_key_value_heads=3"),
+    (dict(model_type="mixtral", num_local_experts=8, num_experts_per_tok=16),
+     r"config\.num_experts_per_tok=16: more than the 8 experts"),
+    (dict(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=2, decoder_sparse_step=0),
+     r"config\.decoder_sparse_step=0: must be an int >= 1"),
+    (dict(model_type="gpt_oss", num_local_experts=4, num_experts_per_tok=2,
+          layer_types=["chunked_attention"] * 4), r"config\.layer_types=\['chunked_attention'\]"),
+])
+def test_model_dir_with_shapes_no_model_has_is_refused(tmp_path, over, match):
+    """Round-4b fresh pass: these planned silently ("-0.46B params ... fits")."""
+    pytest.importorskip("transformers")
+    with pytest.raises(ConfigError, match=match):
+        Shapes.from_hf_dir(_model_dir(tmp_path, **over))
+
+
+def test_nothing_fits_exits_non_zero(tmp_path):
+    """Issue 35 item 5 / round-4b: "nothing fits" printed with exit status 0; now 2."""
+    import subprocess
+
+    cmd = [sys.executable, "-m", "cp_rope.launch.plan_memory", "--preset", "8b", "--seq-len",
+           "1048576", "--gpu-memory-gib", "0.001"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "nothing fits" in out.stdout, (out.returncode, out.stdout)
+    ok = subprocess.run(cmd[:3] + ["--preset", "1b", "--seq-len", "65536"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0, ok.stderr

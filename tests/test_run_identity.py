@@ -100,6 +100,20 @@ def _disagreement_body(rank: int, world: int, tmp: str) -> None:
     finally:
         os.environ.pop("CP_ROPE_DEBUG", None)
 
+    # a --cp-calibration file at the same (relative) path with other contents on rank 1: auto's
+    # choices would differ between the ranks (refused before the out-dir is touched)
+    here = os.getcwd()
+    os.makedirs(cal_dir := os.path.join(tmp, f"cal{rank}"))
+    with open(os.path.join(cal_dir, "cal.json"), "w") as f:
+        json.dump({"format": 1, "measured_on": f"node {rank}"}, f)
+    os.chdir(cal_dir)
+    try:
+        _refused(main, r"contents\.parallel\.cp_calibration: 'sha256:\w+' \(rank 0\) vs "
+                       r"'sha256:\w+' \(rank 1\)",
+                 TINY + ["--cp-calibration", "cal.json", "--out-dir", os.path.join(tmp, "cal")])
+    finally:
+        os.chdir(here)
+
     # one rank's own check fails (cp_size does not divide this world): its own ConfigError
     # there, one RunIdentityError naming it on the other rank, nobody waits
     argv = TINY + ["--cp-size", "4" if rank == 1 else "2", "--out-dir", os.path.join(tmp, "cp")]
