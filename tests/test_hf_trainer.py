@@ -169,6 +169,16 @@ def test_prepare_bad_input(dirs, tmp_path):
                                  data_collator=transformers.DataCollatorWithFlattening())
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.01"):
         H.prepare(other, cp_size=1)
+    # loss_impl is checked at prepare, as the trainers' --loss-impl (round 4b: ignored, or
+    # refused only inside train())
+    for kw, match in ((dict(loss_impl="bogus"), r"loss_impl must be one of .*got 'bogus'"),
+                      (dict(loss_impl="torch", fused_loss=False), r"loss_impl='torch': is for the "
+                       r"fused loss only"),
+                      (dict(loss_impl="liger"), r"loss_impl='liger': Liger-Kernel's kernels run "
+                       r"on CUDA and the trainer is on cpu"),
+                      (dict(loss_impl="liger", loss_chunk_size=512), r"loss_chunk_size=512")):
+        with pytest.raises(ValueError, match=match):
+            H.prepare(sft, cp_size=1, **kw)
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")
     H.prepare(sft, cp_size=1)

@@ -43,7 +43,8 @@ import torch.distributed as dist
 from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 
 from cp_rope.parallel import PackingCollator, ParallelDims, agree_across_ranks
-from cp_rope.parallel.choices import PLACEMENTS
+from cp_rope.parallel.choices import LOSS_IMPLS, PLACEMENTS
+from cp_rope.parallel.loss import liger_missing
 from cp_rope.validation import check_bool, check_choice, content_checks_enabled
 
 from ._compat import transformers
@@ -329,6 +330,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
         _family(trainer.model)  # an unsupported family is named here, before any collective
         _check_router_loss(trainer.model.config)
         check_bool("fused_loss", fused_loss)
+        _check_loss_impl(loss_impl, fused_loss, loss_chunk_size, trainer.args.device)
         placement = check_choice("placement", placement, PLACEMENTS)
         _check_parallelism(trainer)
         _check_data(trainer, dims.cp)
@@ -372,3 +374,24 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     trainer.cp_rope = state
     trainer.__class__ = _cp_class(type(trainer))
     return trainer
+
+
+def _check_loss_impl(impl, fused_loss: bool, chunk_size, device) -> None:
+    """``loss_impl`` at ``prepare`` (what the trainers' ``--loss-impl`` refuses, before a step):
+    ValueError naming it for a name outside :data:`~cp_rope.parallel.choices.LOSS_IMPLS`, a
+    choice with ``fused_loss=False`` (only the fused loss has kernels to choose), and for
+    ``"liger"`` a ``loss_chunk_size`` (Liger picks its chunks), a CPU device or a missing
+    package."""
+    check_choice("loss_impl", impl, LOSS_IMPLS)
+    if impl != "auto" and not fused_loss:
+        raise ValueError(f"loss_impl={impl!r}: is for the fused loss only (fused_loss=False)")
+    if impl != "liger":
+        return
+    if chunk_size:
+        raise ValueError(f"loss_impl='liger' with loss_chunk_size={chunk_size}: Liger picks its "
+                         "own chunks (use loss_impl='torch' or 'auto')")
+    if torch.device(device).type != "cuda":
+        raise ValueError(f"loss_impl='liger': Liger-Kernel's kernels run on CUDA and the trainer "
+                         f"is on {device} (use loss_impl='auto' or 'torch')")
+    if liger_missing():
+        raise ValueError(f"loss_impl='liger': {liger_missing()}")
