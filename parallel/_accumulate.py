@@ -13,7 +13,7 @@ import torch
 
 from ._blocks import NEG_INF, merge_weights
 
-__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads", "apply_sinks",
+__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads", "apply_sinks", "kernel_sink_block",
            "sink_grad"]
 
 # Memory (bytes per rank; T local rows, bf16 inputs, GPU kernels whose partials are bf16).
@@ -152,6 +152,22 @@ def add_grads(dq, dk, dv, grads):
     for k0, gk, gv in kv_parts:
         dk.add(k0, gk)
         dv.add(k0, gv)
+
+
+def kernel_sink_block(plan, blocks, be, sinks):
+    """The block whose kernel takes ``sinks`` itself, or None (then :func:`apply_sinks` after
+    the merge and :func:`sink_grad` in the backward).
+
+    Only where the plan has one block in all (cp 1: every row's keys are in it, so a sink
+    applied by the kernel is applied once per row, as after a merge) and the backend's
+    ``sinks_in_kernel(block)`` says its kernel runs the whole block with a learnable sink
+    (FlashAttention-4's ``learnable_sink``: the sink in the forward's softmax and its
+    gradient from the backward's ``rowsum(dO . O)``, no pass of ours over the output).
+    """
+    if sinks is None or plan.cp_size != 1 or len(blocks) != 1:
+        return None
+    accepts = getattr(be, "sinks_in_kernel", None)
+    return blocks[0] if accepts is not None and accepts(blocks[0]) else None
 
 
 def apply_sinks(out, lse, sinks, n_rows: int) -> None:

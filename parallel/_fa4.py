@@ -3,9 +3,11 @@ and cuDNN.
 
 ``fa4`` (:class:`Fa4`): one FA4 varlen call per block
 (:func:`~cp_rope.parallel._compat.fa4_varlen_fwd` / ``_bwd``), windowed blocks with FA4's
-``window_size_left`` / ``_right`` (:func:`fa4_window`; sinks enter after the merge, as on
-every backend, so FA4's ``learnable_sink`` is not used: a per-block sink would be counted
-once per block). FA4 keeps no padded state (its
+``window_size_left`` / ``_right`` (:func:`fa4_window`). Sinks enter after the merge, as on
+every backend (a per-block sink would be counted once per block), except where a plan has one
+block in all (cp 1: :func:`~cp_rope.parallel._accumulate.kernel_sink_block`): there FA4's
+``learnable_sink`` applies them in the kernel and its backward returns their gradient, so no
+pass over the output is made for them (:meth:`Fa4.sinks_in_kernel`). FA4 keeps no padded state (its
 LSE is ``[Hq, T]``, its grid ``(T + n_seg x tile) / tile x Hq`` tiles), so unlike cuDNN a block
 of very unequal documents needs no splitting. Its backward takes any output/LSE pair: the
 merged ones of a ring. Rows of a segment without keys are set to (0, -inf); keys of a segment
@@ -65,6 +67,13 @@ def fa4_window(window) -> tuple[int | None, int | None]:
     return tuple(None if int(w) < 0 else int(w) for w in window)
 
 
+def _kernel_sink(sinks, q):
+    """The sinks as FA4's ``learnable_sink`` takes them: a detached contiguous float32 copy
+    (float64 for float64 inputs, which only the CPU tests' fake kernels run)."""
+    return sinks.detach().to(torch.float64 if q.dtype == torch.float64 else torch.float32) \
+        .contiguous()
+
+
 def bucket(n: int) -> int:
     """The ``max_seqlen`` FA4 is called with for segments of up to ``n`` rows: ``64 x 2^k >=
     n``, at least :data:`MIN_BUCKET` (an upper bound: the kernels read the true lengths from
@@ -83,12 +92,23 @@ class Fa4:
         """The merged LSE ``[Hq, T]`` (float32: FA4 inputs are fp16/bf16) contiguous, as FA4's backward takes it."""
         return lse.contiguous()
 
-    def forward(self, q, k, v, blk, scale: float):
+    @staticmethod
+    def sinks_in_kernel(blk) -> bool:
+        """Whether :meth:`forward` / :meth:`backward_with_sinks` can take a plan's sinks for
+        ``blk`` when it is the plan's only block: a block with queries and keys."""
+        return blk.max_q > 0 and blk.max_k > 0
+
+    def forward(self, q, k, v, blk, scale: float, sinks=None):
+        """The block's (out, LSE); with ``sinks`` (``[Hq]``, only for a plan's one block:
+        :func:`~cp_rope.parallel._accumulate.kernel_sink_block`) FA4's ``learnable_sink``
+        in the softmax. Rows without keys stay (0, -inf) (at cp 1 only rows past the
+        documents, which the plan clears)."""
         if blk.max_q == 0 or blk.max_k == 0:
             return [], None
+        sink = None if sinks is None else _kernel_sink(sinks, q)
         out, lse = _compat.fa4_varlen_fwd(q, k, v, blk.cu_q, blk.cu_k, bucket(blk.max_q),
                                           bucket(blk.max_k), blk.causal, scale,
-                                          window=fa4_window(blk.window))
+                                          window=fa4_window(blk.window), sink=sink)
         if blk.keyless_rows is not None:
             out.index_fill_(0, blk.keyless_rows, 0.0)
             lse.index_fill_(1, blk.keyless_rows, NEG_INF)
@@ -97,12 +117,22 @@ class Fa4:
     def backward(self, dout, q, k, v, out, lse, blk, scale: float, aux):
         if blk.max_q == 0 or blk.max_k == 0:
             return []
-        dq, dk, dv = _compat.fa4_varlen_bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k,
-                                            bucket(blk.max_q), bucket(blk.max_k), blk.causal,
-                                            scale, window=fa4_window(blk.window))
+        return self._backward(dout, q, k, v, out, lse, blk, scale, None)[0]
+
+    def backward_with_sinks(self, dout, q, k, v, out, lse, blk, scale: float, aux, sinks):
+        """:meth:`backward` of a :meth:`forward` that took ``sinks``: (grads, d sinks ``[Hq]``
+        float32, this block's rows), ``lse`` that forward's (the sinks in it)."""
+        return self._backward(dout, q, k, v, out, lse.contiguous(), blk, scale,
+                              _kernel_sink(sinks, q))
+
+    def _backward(self, dout, q, k, v, out, lse, blk, scale: float, sink):
+        got = _compat.fa4_varlen_bwd(dout, q, k, v, out, lse, blk.cu_q, blk.cu_k,
+                                     bucket(blk.max_q), bucket(blk.max_k), blk.causal, scale,
+                                     window=fa4_window(blk.window), sink=sink)
+        dq, dk, dv = got[:3]
         if blk.keyless_rows is not None:
             dq.index_fill_(0, blk.keyless_rows, 0.0)
-        return [(0, dq, 0, dk, dv)]
+        return [(0, dq, 0, dk, dv)], (got[3] if sink is not None else None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,10 +208,23 @@ class CudnnFa4(CudnnTHD):
         self.crossover = int(crossover)
         self._fa4 = Fa4()
 
-    def forward(self, q, k, v, blk, scale: float):
+    def sinks_in_kernel(self, blk) -> bool:
+        """A plan's one block takes its sinks in FA4's kernel when all its segments go to FA4
+        (:meth:`Fa4.sinks_in_kernel`); cuDNN's SDPA has no sink."""
+        return split_block(blk, self.crossover).cudnn is None and self._fa4.sinks_in_kernel(blk)
+
+    def backward_with_sinks(self, dout, q, k, v, out, lse, blk, scale: float, aux, sinks):
+        """:meth:`Fa4.backward_with_sinks` (a block :meth:`sinks_in_kernel` accepted)."""
+        flat = lse.flat() if hasattr(lse, "flat") else lse
+        return self._fa4.backward_with_sinks(dout, q, k, v, out, flat, blk, scale, aux, sinks)
+
+    def forward(self, q, k, v, blk, scale: float, sinks=None):
         sp = split_block(blk, self.crossover)
         if sp.cudnn is None:
-            return self._fa4.forward(q, k, v, blk, scale)
+            return self._fa4.forward(q, k, v, blk, scale, sinks=sinks)
+        if sinks is not None:
+            raise ValueError("cudnn+fa4: sinks in the kernel need a block all on FA4 "
+                             "(sinks_in_kernel)")
         if sp.fa4 is None:
             return super().forward(q, k, v, blk, scale)
         [(_, out, lse)], _ = self._fa4.forward(q, k, v, sp.fa4, scale)

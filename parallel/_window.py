@@ -286,8 +286,11 @@ def window_ring_schedule(lay: Layout):
     (WindowStep, ...)}`` of ``C`` steps, step ``i`` against rank ``(r - i) mod C``'s rows
     (``C = 1``: one step, whole documents, causal with ``window_size=(W - 1, 0)``)."""
     C, r, W, n_q = lay.cp_size, lay.cp_rank, lay.window, int(lay.cu[-1])
-    steps = [WindowStep(pack_blocks(lay, pair_pieces(lay, r, r, W), n_q, n_q, W), None, 0, None,
-                        0)]
+    own = pair_pieces(lay, r, r, W)
+    if C == 1:  # whole documents: the shorter ones in the windowed call too (W masks nothing
+        # there), so the step is one block (one kernel call, no merge; sinks in the kernel)
+        own = [("diag", *p[1:]) for p in own]
+    steps = [WindowStep(pack_blocks(lay, own, n_q, n_q, W), None, 0, None, 0)]
     for i in range(1, C):
         src, dst = (r - i) % C, (r + i) % C
         pieces = pair_pieces(lay, r, src, W)

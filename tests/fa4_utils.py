@@ -14,8 +14,11 @@ Windows as FA4 reads them (:func:`fa4_mask`, from ``_resolve_causal_local_window
 ``causal`` forces the right bound to 0, ``(None, 0)`` is plain causal, anything else a local
 window; bottom-right aligned. A negative bound is not "unbounded" to FA4 (4.0.0b36 keeps a
 right bound of -1, which excludes the diagonal; later versions drop a window whose ``left +
-right < 0``): the fakes refuse one. ``learnable_sink`` must be None: cp_rope
-applies sinks once per row after the merge (FA4's would count once per block).
+right < 0``): the fakes refuse one. ``learnable_sink`` (float32 ``[Hq]``; float64 for float64 inputs) as FA4 applies it:
+the forward's softmax gains ``exp(sink[h])`` (a row's LSE includes it) and the backward
+returns its gradient ``-sum_rows exp(sink - lse) rowsum(dO . O)`` over the rows of ``cu_q``
+(FA4's ``_bwd_dsink_reduce`` of the preprocess's ``dpsum``); every call with one is recorded
+in :data:`SINK_CALLS` (cp_rope passes one only for a plan's single block, at cp 1).
 """
 
 from __future__ import annotations
@@ -67,6 +70,18 @@ def fa4_mask(causal: bool, window) -> tuple[bool, tuple[int, int] | None]:
 WINDOWS: list[tuple] = []
 """The FA4 windows (left, right) of every fake call since the last clear."""
 
+SINK_CALLS: list[str] = []
+"""``fwd`` / ``bwd`` of every fake call given a ``learnable_sink`` since the last clear."""
+
+
+def _check_sink(sink, q):
+    # float32 as FA4 takes it (float64 for the float64 inputs of these tests, so the glue is
+    # checked exactly)
+    assert sink.dtype == (torch.float64 if q.dtype == torch.float64 else torch.float32), sink.dtype
+    assert sink.shape == (q.shape[1],) and sink.is_contiguous()
+    assert not sink.requires_grad, "the kernel's sink is a detached copy"
+    return sink.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
+
 
 def _block(cu_q, cu_k, max_q, max_k, causal, window):
     assert all(w is None or (type(w) is int and w >= 0) for w in window), (
@@ -78,13 +93,18 @@ def _block(cu_q, cu_k, max_q, max_k, causal, window):
 
 def fake_fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(None, None),
                  sink=None):
-    assert sink is None, "sinks enter after the merge, never in a block's kernel"
     _check(q, cu_q, cu_k, max_q, max_k)
     CALLS.append(("fwd", max_q, max_k))
     q, k, v = zero_outside(q, cu_q), zero_outside(k, cu_k), zero_outside(v, cu_k)
     blk = _block(cu_q, cu_k, max_q, max_k, causal, window)
     [(_, out, lse)], _ = _Reference().forward(q, k, v, blk, scale)
     lse = lse.to(torch.float64 if q.dtype == torch.float64 else torch.float32).contiguous()
+    if sink is not None:  # in the softmax: lse' = logaddexp(lse, sink), out' = exp(lse - lse') out
+        SINK_CALLS.append("fwd")
+        s = _check_sink(sink, q)[:, None].expand_as(lse)
+        new = torch.logaddexp(lse, s)
+        out = out * torch.exp(lse - new).T.unsqueeze(-1).to(out.dtype)
+        lse = new.contiguous()
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
         out[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
@@ -95,9 +115,15 @@ def fake_fa4_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, window=(None,
 
 def fake_fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scale,
                  window=(None, None), sink=None):
-    assert sink is None, "sinks enter after the merge, never in a block's kernel"
     _check(q, cu_q, cu_k, max_q, max_k)
     assert lse.shape == (q.shape[1], q.shape[0]) and lse.is_contiguous(), lse.shape
+    dsink = None
+    if sink is not None:
+        SINK_CALLS.append("bwd")
+        s, rows = _check_sink(sink, q), slice(int(cu_q[0]), int(cu_q[-1]))
+        delta = (dout[rows].to(s.dtype) * out[rows].to(s.dtype)).sum(-1)  # [n, H]
+        dsink = -(torch.exp(s[:, None] - lse[:, rows].to(s.dtype)) * delta.T).sum(1)
+        dsink = dsink.to(sink.dtype)
     assert out.dtype == q.dtype and dout.shape == q.shape
     CALLS.append(("bwd", max_q, max_k))
     dout, q, out = (zero_outside(x, cu_q) for x in (dout, q, out))
@@ -109,4 +135,5 @@ def fake_fa4_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q, max_k, causal, scal
     lq, lk = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
     for i in torch.nonzero((lq > 0) & (lk == 0)).flatten().tolist():
         dq[int(cu_q[i]):int(cu_q[i + 1])] = float("nan")
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    grads = dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return grads if sink is None else (*grads, dsink)

@@ -395,6 +395,7 @@ def test_windowed_cp1_fa4_matches_oracle(fakes, W, with_sinks):
     ins = [t.clone().requires_grad_() for t in (q, k, v)] + (
         [sinks.clone().requires_grad_()] if with_sinks else [])
     fa4_utils.WINDOWS.clear()
+    fa4_utils.SINK_CALLS.clear()
     out, lse = context_parallel_attention(*ins[:3], cu, max(WINDOW_LENS), backend="fa4",
                                           window=W, sinks=ins[3] if with_sinks else None,
                                           return_lse=True)
@@ -409,6 +410,8 @@ def test_windowed_cp1_fa4_matches_oracle(fakes, W, with_sinks):
     for nm, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads, strict=False):
         assert_close(g, rg, **F64_EXACT, name=f"{nm} {what}")
     assert fa4_utils.WINDOWS, "FA4 was never called"
+    # cp 1, one block: the sinks go into FA4's kernel (its learnable_sink and dsink), once
+    assert fa4_utils.SINK_CALLS == (["fwd", "bwd"] if with_sinks else []), fa4_utils.SINK_CALLS
     if W < max(WINDOW_LENS):  # a window that masks reaches FA4 as its causal local window
         assert (W - 1, 0) in fa4_utils.WINDOWS, fa4_utils.WINDOWS
 
@@ -422,6 +425,7 @@ def test_windowed_simulated_ranks_fa4_equals_reference(fakes, C, method):
     lens = [C * 2 * 9, C * 2, 0, C * 2 * 3, C * 2 * 9 + 2 * C]  # chunks 9, 1, 3, 10
     local = _cu([x // C for x in lens])
     windows = []
+    fa4_utils.SINK_CALLS.clear()
     for W in (2, 8, 9, 11, 30):
         fa4_utils.WINDOWS.clear()
         for r in range(C):
@@ -444,6 +448,10 @@ def test_windowed_simulated_ranks_fa4_equals_reference(fakes, C, method):
     assert (1, 0) in windows and (7, 0) in windows, windows  # causal local diagonals
     if method == "ring":
         assert (0, None) in windows, windows  # the halo pieces, right bound None
+    # ring / all-gather: several blocks per row, the sinks enter once after the merge, never
+    # in a block's kernel; Ulysses: whole sequences after the all-to-all (an inner cp 1 of
+    # this rank's heads and sinks), so FA4's kernel takes them
+    assert bool(fa4_utils.SINK_CALLS) == (method == "ulysses"), fa4_utils.SINK_CALLS
 
 
 def test_auto_and_cudnn_with_a_window(monkeypatch):
