@@ -17,7 +17,9 @@
 #                   finetune_hf of a tiny local Qwen3 / Llama directory (made here with
 #                   transformers from a config, random weights, save_pretrained): 4 steps vs 2 +
 #                   --resume; losses equal; both save_pretrained directories reload with
-#                   transformers and give equal logits (and differ from the initial weights)
+#                   transformers and give equal logits (and differ from the initial weights):
+#                   within RTOL, or within 4x the spread of a second uninterrupted run (the
+#                   kernels' atomics reach AdamW's first updates at ~lr)
 #   hf_patched_*    the patched transformers model (packed rows, cp_rope's RoPE kernel, CP
 #                   attention with the auto backend: cuDNN on an H200) vs the unpatched model run
 #                   document by document, bf16
@@ -108,6 +110,11 @@ chain() {
     echo "=== $name: uninterrupted $total steps ==="
     timeout "$limit" $TR -m "$module" "$@" --steps "$total" --no-progress --log-every 1 \
       --no-save-final --out-dir "$RUNS/$name-full" || rc=1
+    if [ -n "${TWICE:-}" ]; then  # the run-to-run spread of the GPU kernels (reload check)
+      echo "=== $name: uninterrupted $total steps, again ==="
+      timeout "$limit" $TR -m "$module" "$@" --steps "$total" --no-progress --log-every 1 \
+        --no-save-final --out-dir "$RUNS/$name-full2" || rc=1
+    fi
     echo "=== $name: $stop steps, checkpoints every $every, then --resume ==="
     timeout "$limit" $TR -m "$module" "$@" --steps "$total" --stop-at-step "$stop" \
       --checkpoint-every "$every" --no-progress --log-every 1 --out-dir "$RUNS/$name-split" || rc=1
@@ -147,8 +154,8 @@ FT=(--data "$RUNS/corpus.jsonl" --seq-len 1024 --tokens-per-batch 4096 --lr 1e-3
     --no-tensorboard)
 chain pretrain_tiny cp_rope.launch.pretrain 6 4 2 120 --preset tiny --tokenizer bytes \
   --eval-docs 0 --no-tensorboard &
-chain finetune_qwen3 cp_rope.launch.finetune_hf 4 2 1 120 --model "$RUNS/qwen3_model" "${FT[@]}" &
-chain finetune_llama cp_rope.launch.finetune_hf 4 2 1 120 --model "$RUNS/llama_model" "${FT[@]}" &
+TWICE=1 chain finetune_qwen3 cp_rope.launch.finetune_hf 4 2 1 120 --model "$RUNS/qwen3_model" "${FT[@]}" &
+TWICE=1 chain finetune_llama cp_rope.launch.finetune_hf 4 2 1 120 --model "$RUNS/llama_model" "${FT[@]}" &
 chain pretrain_1b cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4 --seq-mode concat \
   --seq-len 4096 --tokens-per-batch 8192 --warmup-steps 1 --tokenizer bytes --eval-docs 0 \
   --no-tensorboard &
@@ -190,13 +197,21 @@ def logits(path):
     with torch.no_grad():
         return m(ids).logits.double()
 a = logits(f"{runs}/finetune_{name}-full/hf_model")
+a2 = logits(f"{runs}/finetune_{name}-full2/hf_model")
 b = logits(f"{runs}/finetune_{name}-split/hf_model")
 init = logits(f"{runs}/{name}_model")
 rel = ((a - b).abs().max() / a.abs().max()).item()
+spread = ((a - a2).abs().max() / a.abs().max()).item()
 moved = ((a - init).abs().max() / a.abs().max()).item()
 print(f"reloaded logits {tuple(a.shape)}: resumed vs uninterrupted "
-      + ("exact" if rel == 0 else f"max rel diff {rel:.1e}") + f"; trained vs initial {moved:.1e}")
-sys.exit(0 if rel <= rtol and moved > 10 * max(rel, 1e-6) else 1)
+      + ("exact" if rel == 0 else f"max rel diff {rel:.1e}")
+      + f" (two uninterrupted runs: {spread:.1e}); trained vs initial {moved:.1e}")
+# A resume is right when it is as close to the uninterrupted run as a second uninterrupted run
+# is: AdamW's first steps move each weight by ~lr whatever the size of its gradient, so the
+# backward kernels' atomics (run-to-run differences in the last bits) reach the weights at
+# ~lr; bit-exactness of resume is checked on CPU (tests/test_pretrain.py, tests/test_hf_families.py).
+ok = rel <= rtol or rel <= 4 * spread
+sys.exit(0 if ok and moved > 10 * max(rel, 1e-6) else 1)
 EOF
 )
   record "reload_$name" $? "$(echo "$detail" | tail -1)" "$t"
