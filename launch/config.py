@@ -28,7 +28,7 @@ from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS,
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "check_loss_impl", "check_seq_len",
+    "check_loss_impl", "check_seq_len", "head_dim_of",
 ]
 
 
@@ -45,7 +45,10 @@ class ModelConfig:
     n_layers: int = 4
     """Number of transformer blocks."""
     n_heads: int = 4
-    """Query heads per attention layer; head_dim = dim / n_heads."""
+    """Query heads per attention layer."""
+    head_dim: int = 0
+    """Features per attention head; 0 = dim / n_heads (a transformers config's own head_dim
+    where it differs: Qwen3, Gemma 3, GPT-OSS)."""
     n_kv_heads: int = 2
     """Key/value heads (GQA); must divide n_heads."""
     ffn_hidden_dim: int = 384
@@ -286,6 +289,11 @@ MAX_TIMEOUT_S = 7 * 24 * 3600
 """The longest ``parallel.timeout_s`` accepted, in seconds."""
 
 
+def head_dim_of(m: ModelConfig) -> int:
+    """``m``'s features per attention head: ``head_dim``, or ``dim / n_heads`` when 0."""
+    return m.head_dim or m.dim // m.n_heads
+
+
 def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
     """Check every field that can be checked before any heavy work.
 
@@ -304,9 +312,14 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
                      value, "must be finite")
     for name in ("dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden_dim"):
         _require(getattr(m, name) >= 1, f"model.{name}", getattr(m, name), "must be >= 1")
-    _require(m.dim % m.n_heads == 0, "model.dim", m.dim, f"must be divisible by model.n_heads={m.n_heads}")
-    _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
-             f"head_dim = dim / n_heads = {m.dim // m.n_heads} must be even for RoPE")
+    _require(m.head_dim >= 0, "model.head_dim", m.head_dim, "must be >= 0 (0 = dim / n_heads)")
+    if m.head_dim:
+        _require(m.head_dim % 2 == 0, "model.head_dim", m.head_dim, "must be even for RoPE")
+    else:
+        _require(m.dim % m.n_heads == 0, "model.dim", m.dim,
+                 f"must be divisible by model.n_heads={m.n_heads} (or set model.head_dim)")
+        _require((m.dim // m.n_heads) % 2 == 0, "model.n_heads", m.n_heads,
+                 f"head_dim = dim / n_heads = {m.dim // m.n_heads} must be even for RoPE")
     _require(m.n_heads % m.n_kv_heads == 0, "model.n_kv_heads", m.n_kv_heads,
              f"must divide model.n_heads={m.n_heads} (GQA)")
     _require(m.vocab_size >= 0, "model.vocab_size", m.vocab_size, "must be >= 0 (0 = from the tokenizer)")
@@ -420,7 +433,7 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
         # the library's own rule: package (with its install command), GPU generation, head_dim
         why = backend_unavailable(p.attn_backend, device="cuda",
                                   dtype=torch.float16 if t.dtype == "float16" else torch.bfloat16,
-                                  head_dim=m.dim // m.n_heads)
+                                  head_dim=head_dim_of(m))
         _require(why is None, "parallel.attn_backend", p.attn_backend, str(why))
     if p.rope_backend == "triton" and not on_cuda:
         _require(os.environ.get("TRITON_INTERPRET", "0") == "1", "parallel.rope_backend",

@@ -17,7 +17,7 @@ from cp_rope.parallel import calibrate
 from cp_rope.parallel._self_test import self_test
 from cp_rope.parallel.cost_model import candidate_methods
 
-from .config import ConfigError, PretrainConfig
+from .config import ConfigError, PretrainConfig, head_dim_of
 
 __all__ = ["cp_calibration", "cp_start_up", "log_auto_choice"]
 
@@ -59,7 +59,7 @@ def cp_start_up(cfg: PretrainConfig, cp_group, cp_size: int, device: torch.devic
             f"{calibration.torch_version})")
     if p.cp_self_test != "on" or cp_size == 1 and "auto" not in (p.cp_method, p.cp_placement):
         return
-    head_dim = m.dim // m.n_heads
+    head_dim = head_dim_of(m)
     if p.cp_method == "auto":  # every (method, U) the chooser may pick for these heads
         methods = candidate_methods(cp_size, m.n_heads, m.n_kv_heads)
     else:

@@ -158,8 +158,10 @@ def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
     MFU arithmetic, config.json and the ``--resume`` check)."""
     rope = getattr(hf_config, "rope_parameters", None) or {}
     heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
     return ModelConfig(dim=hf_config.hidden_size, n_layers=hf_config.num_hidden_layers,
-                       n_heads=heads, n_kv_heads=getattr(hf_config, "num_key_value_heads", heads),
+                       n_heads=heads, head_dim=head_dim,
+                       n_kv_heads=getattr(hf_config, "num_key_value_heads", heads),
                        ffn_hidden_dim=hf_config.intermediate_size,
                        vocab_size=hf_config.vocab_size,
                        norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),

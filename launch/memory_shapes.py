@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from .config import ConfigError, ModelConfig
+from .config import ConfigError, ModelConfig, head_dim_of
 
 __all__ = ["Shapes"]
 
@@ -105,7 +105,7 @@ class Shapes:
     def from_model_config(cls, m: ModelConfig) -> Shapes:
         """cp_rope's Transformer (vocab_size 0: the byte tokenizer's 320)."""
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                   head_dim=m.dim // m.n_heads, ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320)
+                   head_dim=head_dim_of(m), ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320)
 
     @classmethod
     def from_hf_dir(cls, path: str) -> Shapes:

@@ -29,7 +29,7 @@ from cp_rope.parallel import (
 from cp_rope.parallel._tiled_mlp import tiled_mlp
 from cp_rope.validation import check_token_ids
 
-from .config import ModelConfig
+from .config import ModelConfig, head_dim_of
 
 __all__ = ["Transformer", "TransformerBlock", "count_params"]
 
@@ -40,7 +40,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads = cfg.n_heads, cfg.n_kv_heads
-        self.head_dim = cfg.dim // cfg.n_heads
+        self.head_dim = head_dim_of(cfg)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * self.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * self.head_dim, bias=False)
@@ -162,7 +162,7 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(cfg.dim // cfg.n_heads, cfg.max_seq_len, base=cfg.rope_base)
+        self.rope = RotaryEmbedding(head_dim_of(cfg), cfg.max_seq_len, base=cfg.rope_base)
         self.init_weights()
 
     def configure_attention(self, *, cp_group: dist.ProcessGroup | None = None,
@@ -220,7 +220,7 @@ class Transformer(nn.Module):
         """
         cfg, weight = self.cfg, self.tok_embeddings.weight
         return attention_plan(batch, max_seqlen, q_heads=cfg.n_heads, kv_heads=cfg.n_kv_heads,
-                              head_dim=cfg.dim // cfg.n_heads,
+                              head_dim=head_dim_of(cfg),
                               dtype=dtype or self.compute_dtype or weight.dtype,
                               device=weight.device if device is None else device,
                               group=self.cp_group, method=self.cp_method,

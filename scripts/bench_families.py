@@ -103,7 +103,7 @@ def _patched(name: str, model_dir: str, data: str, work: str, seq: int, steps: i
            "--tokenizer", "bytes", "--cp-size", "1", "--seq-len", str(seq),
            "--tokens-per-batch", str(seq), "--steps", str(steps), "--warmup-steps", "2",
            "--eval-docs", "0", "--log-every", "1", "--no-progress", "--no-tensorboard",
-           "--no-save-final", "--out-dir", out_dir, "--overwrite", *flags]
+           "--no-save-final", "--no-save-on-signal", "--out-dir", out_dir, "--overwrite", *flags]
     t = time.time()
     with open(log, "w") as f:
         rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, timeout=420).returncode

@@ -26,6 +26,10 @@ WHL=${WHL:-.whl}
 STEPS=${STEPS:-12}
 SEQ=${SEQ:-32768}
 LAYERS=${LAYERS:-28}  # a CPU dry run of the plumbing: LAYERS=1 SEQ=1024 STEPS=4
+# CKPT=1: both with activation checkpointing (TRL --gradient-checkpointing, transformers' per-layer
+# checkpoints; finetune_hf --activation-checkpointing full): without it TRL's 28 layers at 32,768
+# tokens run out of 80 GB (bf16 autocast on fp32 weights keeps fp32 residuals and norms).
+# FT_BACKENDS: finetune_hf's attention backends (default auto cudnn, and fa4 where installed).
 PY=${PYTHON:-python3}
 rm -rf "$WORK" && mkdir -p "$WORK" "$OUT"
 if compgen -G "$WHL/*.whl" >/dev/null; then
@@ -66,6 +70,7 @@ results=()
 run_trl() {
   timeout 420 $PY scripts/sft_trl_example.py --model-dir "$WORK/model" --data "$WORK/docs.jsonl" \
     --cp-size 1 --seq-len "$SEQ" --steps "$STEPS" --timing-warmup 2 --out-dir "$WORK/trl" \
+    ${CKPT:+--gradient-checkpointing} \
     > "$OUT/trl.log" 2>&1
   local rc=$?
   local line; line=$(grep '^{' "$OUT/trl.log" | tail -1)
@@ -76,6 +81,7 @@ run_ft() {  # run_ft BACKEND
     --model "$WORK/model" --data "$WORK/docs.jsonl" --cp-size 1 --seq-len "$SEQ" \
     --tokens-per-batch "$SEQ" --steps "$STEPS" --warmup-steps 2 --eval-docs 0 --log-every 1 \
     --no-progress --no-tensorboard --attn-backend "$1" --out-dir "$WORK/ft_$1" --overwrite \
+    --no-save-final --no-save-on-signal ${CKPT:+--activation-checkpointing full} \
     > "$OUT/ft_$1.log" 2>&1
   local rc=$?
   results+=("finetune_hf $1|$rc|$($PY - "$WORK/ft_$1/metrics.jsonl" <<'EOF' 2>/dev/null || echo "nan|nan"
@@ -89,8 +95,9 @@ EOF
 )")
 }
 run_trl
-for b in auto cudnn; do run_ft $b; done
-$PY -c "from cp_rope.parallel._compat import fa4_unavailable as u; raise SystemExit(u() is not None)" && run_ft fa4
+for b in ${FT_BACKENDS:-auto cudnn}; do run_ft $b; done
+[ -n "${FT_BACKENDS:-}" ] || { $PY -c "from cp_rope.parallel._compat import fa4_unavailable as u
+raise SystemExit(u() is not None)" && run_ft fa4; }
 echo "=== bench_hf_trl: Qwen3-0.6B shapes, $SEQ tokens per step, $STEPS steps, one GPU ==="
 $PY -c "import torch, transformers; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'transformers', transformers.__version__)"
 $PY -c "import trl; print('trl', trl.__version__)" 2>&1 | tail -1

@@ -11,6 +11,11 @@
 #   mfu    --preset 1b, 65,536 tokens, cp 1 (bench_memory.py's 1b 65,536 flags), 8 steps each
 #          with --attn-backend cudnn, fa4, auto: MFU of steps 4-8, losses side by side
 #   smoke  bash scripts/gpu_smoke.sh (with its fa4 part)
+#   window scripts/bench_window.py --simulate-cp 4 --no-full (issue 32: windows, sinks, halo)
+#   hf     scripts/bench_memory.py --only hf at 32,768 and 262,144 tokens (issue 31's finetune_hf
+#          targets; the attention backend auto, so cuDNN + FA4 where FA4 is installed)
+#   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)
+#   families  scripts/bench_families.py (issue 33: Gemma-3 and GPT-OSS shapes at 131,072)
 #
 # FA4 itself: ../shared/tools/fa4_carry.sh's two install steps. Step 1 (unpack .fa4a into
 # /tmp/site-fa4) runs in the device call before; this script does step 2 from $FA4B (default
@@ -128,6 +133,37 @@ part_smoke() {
     > "$LOGS/smoke.log" 2>&1
   local rc=$?
   sed -n '/=== gpu_smoke summary/,$p' "$LOGS/smoke.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+part_window() {
+  timeout 300 $PY scripts/bench_window.py --iters 5 --warmup 2 --simulate-cp 4 --no-full \
+    --out "$LOGS/window" > "$LOGS/window.log" 2>&1
+  local rc=$?
+  grep -E "^\|" "$LOGS/window.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+part_hf() {
+  timeout 420 $PY scripts/bench_memory.py --only hf --tokens "${HF_TOKENS:-32768,262144}" \
+    --budget-s 380 --out "$LOGS/hf.json" > "$LOGS/hf.log" 2>&1
+  local rc=$?
+  grep -E "^\|" "$LOGS/hf.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+part_trl() {
+  WORK=/tmp/cp_rope_bench_trl OUT=$LOGS/trl timeout 500 bash scripts/bench_hf_trl.sh \
+    > "$LOGS/trl.log" 2>&1
+  local rc=$?
+  tail -12 "$LOGS/trl.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+part_families() {
+  timeout 540 $PY scripts/bench_families.py --out "$LOGS/families" > "$LOGS/families.log" 2>&1
+  local rc=$?
+  tail -16 "$LOGS/families.log" | tee -a "$SUMMARY"
   return $rc
 }
 

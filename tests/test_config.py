@@ -155,3 +155,28 @@ def test_config_file_eval_every_with_held_out_documents_from_the_command_line(tm
 def test_allow_fresh_start_is_for_resume(tmp_path):
     with pytest.raises(ConfigError, match=r"train\.allow_fresh_start=True: is for --resume"):
         main(SMALL + ["--steps", "1", "--allow-fresh-start", "--out-dir", str(tmp_path)])
+
+
+def test_head_dim_other_than_dim_over_heads(tmp_path):
+    """--head-dim (Qwen3 / GPT-OSS style: heads of their own width) in the native model: a
+    model of dim 32 with 2 heads of 8 trains; an odd head_dim, a negative one, and dim not
+    divisible by the heads without --head-dim are refused naming the field."""
+    import math
+
+    from cp_rope.launch.config import ModelConfig
+    from cp_rope.launch.model import Transformer
+
+    out = main([*SMALL, "--head-dim", "8", "--steps", "2", "--out-dir", str(tmp_path / "o")])
+    assert out["steps_run"] == 2 and all(math.isfinite(x) for x in out["losses"].values())
+    saved = json.loads((tmp_path / "o" / "config.json").read_text())
+    assert saved["model"]["head_dim"] == 8
+    model = Transformer(ModelConfig(dim=32, n_heads=2, n_kv_heads=1, head_dim=8, vocab_size=64,
+                                    max_seq_len=16))
+    assert model.layers[0].attention.wq.weight.shape == (2 * 8, 32)
+    for flags, match in ((["--head-dim", "7"], r"model\.head_dim=7: must be even for RoPE"),
+                         (["--head-dim", "-2"], r"model\.head_dim=-2: must be >= 0"),
+                         (["--dim", "30", "--n-heads", "4"],
+                          r"model\.dim=30: must be divisible by model\.n_heads=4 \(or set "
+                          r"model\.head_dim\)")):
+        with pytest.raises(ConfigError, match=match):
+            main([*SMALL, *flags, "--steps", "1", "--out-dir", str(tmp_path / "x")])

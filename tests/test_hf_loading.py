@@ -156,3 +156,23 @@ def test_load_causal_lm_intact_dir_loads(model_dir):
     ref = transformers.LlamaForCausalLM.from_pretrained(model_dir)
     for (n, p), (_, q) in zip(model.named_parameters(), ref.named_parameters(), strict=True):
         assert torch.equal(p, q), n
+
+
+def test_head_dim_of_the_config_not_hidden_over_heads(tmp_path):
+    """GPT-OSS's shapes (hidden 2,880 over 64 heads of 64: hidden / heads = 45, odd): before,
+    finetune_hf refused them ('head_dim = dim / n_heads = 45 must be even for RoPE') and used
+    hidden / heads for the MFU and the backend checks. The trainer's model section takes
+    config.head_dim (here hidden 36 over 4 heads = 9, head_dim 8)."""
+    from cp_rope.launch.config import head_dim_of, validate
+    from cp_rope.launch.finetune_hf import parse_args, resolve
+    from cp_rope.launch.metrics import flops_per_step
+
+    cfg = transformers.Qwen3Config(hidden_size=36, intermediate_size=64, num_attention_heads=4,
+                                   num_key_value_heads=2, head_dim=8, num_hidden_layers=1,
+                                   vocab_size=320)
+    cfg.save_pretrained(tmp_path / "m")
+    run = resolve(parse_args(["--model", str(tmp_path / "m"), "--device", "cpu"]))
+    validate(run)
+    assert (run.model.head_dim, head_dim_of(run.model)) == (8, 8)
+    # attention FLOPs: 6 L^2 n_heads head_dim per layer (L = 10: one sequence)
+    assert flops_per_step(run.model, 0, 10, 100) == 6.0 * 100 * 4 * 8
