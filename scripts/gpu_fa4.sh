@@ -161,7 +161,8 @@ part_trl() {
 }
 
 part_families() {
-  timeout 540 $PY scripts/bench_families.py --out "$LOGS/families" > "$LOGS/families.log" 2>&1
+  timeout 540 $PY scripts/bench_families.py --out "$LOGS/families" ${FAMILIES_ARGS:-} \
+    > "$LOGS/families.log" 2>&1
   local rc=$?
   tail -16 "$LOGS/families.log" | tee -a "$SUMMARY"
   return $rc
