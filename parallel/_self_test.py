@@ -309,8 +309,8 @@ def _cp_run(glob, qkvw, cos, sin, group, C, r, data_size, data_rank, data_place,
     W = qkvw[3].detach().clone().requires_grad_()
     sk = None if sinks is None else sinks.detach().clone().requires_grad_()
     qr, kr = _rope(q, k, cos, sin, **plan.rope_args())
-    # plan.for_window(w), not window=w: with a plan, window=None means the plan's own window
-    # (its first), not a full layer's
+    # plan.for_window(w), as cp_rope.hf's layers call it (window=w is the same since window=None
+    # given with a plan means the full layer; left out, the plan's first window)
     out = sum(context_parallel_attention(qr, kr, v, plan=plan.for_window(w), sinks=sk)
               for w in windows)
     logits = out.reshape(out.shape[0], -1).to(W.dtype) @ W

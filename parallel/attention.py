@@ -249,6 +249,18 @@ def _resolve_source(source, max_seqlen, size, rank, causal, seq_lens, n_tokens, 
             "layout": lambda: (cu.detach().to("cpu", torch.int64) * size, cu.detach().cpu())}
 
 
+class _PlanWindow:
+    """The default of :func:`context_parallel_attention`'s ``window``: the plan's own window
+    (without a plan: no window). A sentinel, so that ``window=None`` given with a plan means
+    the full-attention layer (``plan.for_window(None)``), not the plan's first window."""
+
+    def __repr__(self) -> str:
+        return "<the plan's window>"
+
+
+PLAN_WINDOW = _PlanWindow()
+
+
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -266,7 +278,7 @@ def context_parallel_attention(
     return_lse: bool = False,
     ulysses_size: int | None = None,
     placement: DocumentPlacement | None = None,
-    window: int | None = None,
+    window: int | None | _PlanWindow = PLAN_WINDOW,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Attention of sequences split across the CP group: the one public attention entry.
@@ -331,8 +343,11 @@ def context_parallel_attention(
             causal): the query at global position ``p`` of a document sees the keys at
             ``p - W + 1 .. p``. transformers' ``config.sliding_window = S`` is ``W = S``
             (its mask: ``kv_idx > q_idx - S``); flash-attn's ``window_size=(left, 0)`` is
-            ``W = left + 1``. With ``plan``: None (the plan's window) or one of the plan's
-            ``windows`` (``plan.for_window(W)``); without, part of the ranks' agreement.
+            ``W = left + 1``. With ``plan``: left out, the plan's own window (the first of
+            its windows); given, one of the plan's ``windows`` (``plan.for_window(W)``;
+            ``window=None``: the plan's full-attention variant, a ValueError naming
+            ``window`` when the plan has none). Without ``plan``: None (the default) or an
+            int, part of the ranks' agreement.
             Blocks no query sees are skipped and, with the ring, the K/V rows nobody sees
             are never sent (a ``W - 1`` row halo per chunk when W is below the chunk).
             Backends: reference, torch_flash, flash_attn (others raise ValueError).
@@ -379,6 +394,8 @@ def context_parallel_attention(
             the group's timeout.
     """
     if plan is None:  # the one place a plan is born: attention_plan, with the call's checks
+        window = None if window is PLAN_WINDOW else window
+
         def check():  # inside the build's agreement: one rank's error reaches every rank
             if isinstance(window, (list, tuple)):  # a plan's windows; this call runs one
                 raise TypeError(f"window must be an int or None here, got {window!r}: a list of "
@@ -420,7 +437,7 @@ def context_parallel_attention(
         check_tensors(q, k, v)
         check_bool("return_lse", return_lse)
         softmax_scale = check_softmax_scale(softmax_scale)
-        if window is not None:
+        if window is not PLAN_WINDOW:  # given, None included: that layer's variant
             plan = plan.for_window(window)
         check_sinks(sinks, q)
         if isinstance(plan, PerDocumentPlan):

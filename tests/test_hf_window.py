@@ -70,6 +70,30 @@ def test_sliding_window_patched_equals_unpatched_per_document(name, over):
     assert (nowin - want).abs().max() > 1e-3
 
 
+def test_llama_config_sliding_window_key_runs_full_attention():
+    """Round 5 #8: a Llama config.json with a sliding_window key (transformers' Llama reads
+    none: full attention) built a plan for window 4, then every layer's call raised 'window=None:
+    the plan was built for windows [4]'. Only Mistral, Phi-3 and Mixtral read
+    config.sliding_window in their attention; the patched Llama equals the unpatched one."""
+    torch.manual_seed(0)
+    cfg = _config("LlamaConfig", sliding_window=4)
+    ref = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg).double().eval()
+    model.load_state_dict(ref.state_dict())
+    g = torch.Generator().manual_seed(2)
+    docs = [torch.randint(0, V, (n,), generator=g) for n in LENS]
+    with torch.no_grad():
+        want = torch.cat([ref(input_ids=d[None]).logits[0] for d in docs])
+    H.patch_model(model, backend="reference", rope_kernel=False)
+    assert set(model.cp_rope_patch.layers[0]) == {None}
+    batch = PackingCollator()([{"input_ids": d} for d in docs])
+    cu = batch.cu_seqlens.tolist()
+    with torch.no_grad():
+        got = model(**H.model_inputs(batch)).logits[0]
+    got = torch.cat([got[cu[i]:cu[i] + n] for i, n in enumerate(LENS)])
+    assert_close(got, want, name="llama with a sliding_window key")
+
+
 def _cp2_body(rank, world):
     group = dist.group.WORLD
     name, over = "Qwen2Config", {"use_sliding_window": True, "sliding_window": 5,

@@ -184,6 +184,27 @@ def test_cp1_matches_the_oracle_and_per_layer_windows():
                 assert_close(g, rg, name=f"d{name} W={W}", **EXACT)
 
 
+def test_window_none_given_with_a_plan_is_the_full_layer():
+    """Round 5 #1: with a plan of windows [3, None], window=None ran the plan's first window
+    (max error 2.3 against causal attention): a model passing each layer's sliding_window
+    (None on its full layers) ran every full layer windowed. Now window=None given is the
+    full layer, left out the plan's own window; a plan without a full variant refuses it."""
+    gen = torch.Generator().manual_seed(11)
+    cu = [0, 9, 10, 16]
+    q, k, v = (torch.randn(cu[-1], h, 4, generator=gen, dtype=torch.float64) for h in (2, 1, 1))
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    plan = attention_plan(cu_t, 9, q_heads=2, kv_heads=1, head_dim=4, dtype=torch.float64,
+                          window=[3, None])
+    for given, W in (({"window": None}, None), ({}, 3), ({"window": 3}, 3)):
+        out = context_parallel_attention(q, k, v, plan=plan, **given)
+        ref, _ = window_attention(q, k, v, cu, W, None, 0.5)
+        assert_close(out, ref, name=f"window {given or 'left out'}", **EXACT)
+    only = attention_plan(cu_t, 9, q_heads=2, kv_heads=1, head_dim=4, dtype=torch.float64,
+                          window=3)
+    with pytest.raises(ValueError, match=r"window=None: the plan was built for windows \[3\]"):
+        context_parallel_attention(q, k, v, plan=only, window=None)
+
+
 # --------------------------------------------------------------------------- CP parity
 
 _CHUNK = 5  # the longest document's chunk length c (its global length 2 C c)

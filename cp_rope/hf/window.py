@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["layer_windows"]
+__all__ = ["layer_windows", "CONFIG_WINDOW_FAMILIES"]
+
+CONFIG_WINDOW_FAMILIES = ("mistral", "phi3", "mixtral")
+"""Families whose attention reads ``config.sliding_window`` itself (no module attribute)."""
 
 
 def layer_windows(attns, config) -> tuple[tuple[int | None, ...], bool]:
@@ -27,6 +30,11 @@ def layer_windows(attns, config) -> tuple[tuple[int | None, ...], bool]:
     in order (None: a full-attention layer; the plan serves the distinct ones, ``method=
     "auto"`` weighs them by their layers), and whether the layers carry sink logits (a
     tensor attribute ``sinks``)."""
-    default = getattr(config, "sliding_window", None)
+    # config.sliding_window reaches the attention of the families that read it there
+    # (Mistral, Phi-3, Mixtral: ``getattr(self.config, "sliding_window", None)``); the others
+    # keep their own on the module (None on full layers), and Llama has none: a Llama
+    # config.json with the key runs full attention in transformers, so here too
+    reads_config = getattr(config, "model_type", None) in CONFIG_WINDOW_FAMILIES
+    default = getattr(config, "sliding_window", None) if reads_config else None
     windows = tuple(getattr(m, "sliding_window", default) for m in attns)
     return windows, any(isinstance(getattr(m, "sinks", None), torch.Tensor) for m in attns)
