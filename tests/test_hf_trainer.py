@@ -176,9 +176,26 @@ def test_prepare_bad_input(dirs, tmp_path):
                        r"fused loss only"),
                       (dict(loss_impl="liger"), r"loss_impl='liger': Liger-Kernel's kernels run "
                        r"on CUDA and the trainer is on cpu"),
-                      (dict(loss_impl="liger", loss_chunk_size=512), r"loss_chunk_size=512")):
+                      (dict(loss_impl="liger", loss_chunk_size=512), r"loss_chunk_size=512"),
+                      # round 5 #6, #7: accepted, then ignored or refused at step 1 naming a
+                      # command-line flag
+                      (dict(fused_loss=False, loss_chunk_size=8), r"loss_chunk_size=8: is for "
+                       r"the fused loss only"),
+                      (dict(loss_chunk_size=-5), r"loss_chunk_size must be >= 0, got -5")):
         with pytest.raises(ValueError, match=match):
             H.prepare(sft, cp_size=1, **kw)
+    with pytest.raises(TypeError, match=r"loss_chunk_size must be an int, got float"):
+        H.prepare(sft, cp_size=1, loss_chunk_size=2.5)
+    # round 5 #2, #3: the Trainer's label smoothing and its own loss function were dropped
+    sft.args.label_smoothing_factor = 0.3
+    with pytest.raises(ValueError, match=r"args\.label_smoothing_factor=0\.3: .* without label "
+                                         r"smoothing"):
+        H.prepare(sft, cp_size=1)
+    sft.args.label_smoothing_factor = 0.0
+    sft.compute_loss_func = lambda outputs, labels, num_items_in_batch=None: outputs.loss * 0
+    with pytest.raises(ValueError, match=r"compute_loss_func: prepare's loss"):
+        H.prepare(sft, cp_size=1)
+    sft.compute_loss_func = None
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")
     H.prepare(sft, cp_size=1)

@@ -45,7 +45,7 @@ from torch.utils.data import IterableDataset, RandomSampler, SequentialSampler
 from cp_rope.parallel import PackingCollator, ParallelDims, agree_across_ranks
 from cp_rope.parallel.choices import LOSS_IMPLS, PLACEMENTS
 from cp_rope.parallel.loss import liger_missing
-from cp_rope.validation import check_bool, check_choice, content_checks_enabled
+from cp_rope.validation import check_bool, check_choice, check_int, content_checks_enabled
 
 from ._compat import transformers
 from .patch import _family, patch_model
@@ -308,7 +308,9 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             ``split_batches`` / ``dispatch_batches`` / ``even_batches=False``; a collator
             that pads without ``position_ids`` (or gives keys cp_rope does not carry); a
             per-device batch size other than 1 with pre-packed rows (``packing=True``) or
-            ``auto_find_batch_size``; a trainer already prepared; ranks with different
+            ``auto_find_batch_size``; ``loss_impl`` / ``loss_chunk_size`` as the trainers'
+            flags refuse them; ``args.label_smoothing_factor`` or ``compute_loss_func`` set
+            (the CP loss replaces the Trainer's); a trainer already prepared; ranks with different
             arguments, ``args.seed`` or ``args.data_seed`` (the sampler's seed).
         RuntimeError (at a step, on CPU or with ``CP_ROPE_DEBUG=1``): the CP ranks of a group
             drew different batches all the same (e.g. ``torch.manual_seed(rank)`` before
@@ -330,7 +332,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
         _family(trainer.model)  # an unsupported family is named here, before any collective
         _check_router_loss(trainer.model.config)
         check_bool("fused_loss", fused_loss)
-        _check_loss_impl(loss_impl, fused_loss, loss_chunk_size, trainer.args.device)
+        loss_chunk_size = _check_loss_args(trainer, loss_impl, fused_loss, loss_chunk_size)
         placement = check_choice("placement", placement, PLACEMENTS)
         _check_parallelism(trainer)
         _check_data(trainer, dims.cp)
@@ -376,22 +378,37 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     return trainer
 
 
-def _check_loss_impl(impl, fused_loss: bool, chunk_size, device) -> None:
-    """``loss_impl`` at ``prepare`` (what the trainers' ``--loss-impl`` refuses, before a step):
-    ValueError naming it for a name outside :data:`~cp_rope.parallel.choices.LOSS_IMPLS`, a
-    choice with ``fused_loss=False`` (only the fused loss has kernels to choose), and for
-    ``"liger"`` a ``loss_chunk_size`` (Liger picks its chunks), a CPU device or a missing
-    package."""
+def _check_loss_args(trainer, impl, fused_loss: bool, chunk_size):
+    """The loss arguments of ``prepare`` as the trainers' ``--loss-impl`` /
+    ``--loss-chunk-size`` refuse them, and what of the Trainer's own loss prepare cannot honour;
+    returns ``chunk_size`` (None for 0: automatic). ValueError (TypeError for a non-int
+    chunk) naming: ``loss_impl`` outside :data:`~cp_rope.parallel.choices.LOSS_IMPLS`, or a
+    choice with ``fused_loss=False`` (only the fused loss has kernels to choose);
+    ``"liger"`` with a ``loss_chunk_size`` (Liger picks its chunks), on a CPU device or without
+    the package; ``loss_chunk_size`` negative or with ``fused_loss=False``; the Trainer's
+    ``args.label_smoothing_factor`` and ``compute_loss_func`` (the CP loss replaces the
+    Trainer's: they would be dropped silently)."""
     check_choice("loss_impl", impl, LOSS_IMPLS)
-    if impl != "auto" and not fused_loss:
-        raise ValueError(f"loss_impl={impl!r}: is for the fused loss only (fused_loss=False)")
-    if impl != "liger":
-        return
-    if chunk_size:
-        raise ValueError(f"loss_impl='liger' with loss_chunk_size={chunk_size}: Liger picks its "
-                         "own chunks (use loss_impl='torch' or 'auto')")
-    if torch.device(device).type != "cuda":
-        raise ValueError(f"loss_impl='liger': Liger-Kernel's kernels run on CUDA and the trainer "
-                         f"is on {device} (use loss_impl='auto' or 'torch')")
-    if liger_missing():
-        raise ValueError(f"loss_impl='liger': {liger_missing()}")
+    if chunk_size is not None:
+        chunk_size = check_int("loss_chunk_size", chunk_size, min_value=0) or None
+    if not fused_loss and (impl != "auto" or chunk_size):
+        what = f"loss_impl={impl!r}" if impl != "auto" else f"loss_chunk_size={chunk_size}"
+        raise ValueError(f"{what}: is for the fused loss only (fused_loss=False)")
+    smoothing = getattr(trainer.args, "label_smoothing_factor", 0.0) or 0.0
+    if smoothing:
+        raise ValueError(f"args.label_smoothing_factor={smoothing}: cp_rope's CP loss is the "
+                         "token cross-entropy without label smoothing (set it to 0)")
+    if getattr(trainer, "compute_loss_func", None) is not None:
+        raise ValueError("compute_loss_func: prepare's loss is the token cross-entropy over the "
+                         "CP group and would replace this function (pass none)")
+    if impl == "liger":
+        if chunk_size:
+            raise ValueError(f"loss_impl='liger' with loss_chunk_size={chunk_size}: Liger picks "
+                             "its own chunks (use loss_impl='torch' or 'auto')")
+        if torch.device(trainer.args.device).type != "cuda":
+            raise ValueError(f"loss_impl='liger': Liger-Kernel's kernels run on CUDA and the "
+                             f"trainer is on {trainer.args.device} (use loss_impl='auto' or "
+                             "'torch')")
+        if liger_missing():
+            raise ValueError(f"loss_impl='liger': {liger_missing()}")
+    return chunk_size
