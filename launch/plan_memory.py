@@ -6,6 +6,13 @@ Usage (no GPU needed; prints bytes per GPU by component and the choice)::
     python -m cp_rope.launch.plan_memory --model /ckpt/Qwen3-0.6B --seq-len 1048576 --doc-len 16384
     python -m cp_rope.launch.plan_memory --preset 8b --vocab-size 128256 --seq-len 1048576 \\
         --cp-size 8 --gpu-memory-gib 131
+    python -m cp_rope.launch.plan_memory --preset 1b --seq-len 262144 --no-fused-loss
+
+The setting flags (the trainers' ``--activation-checkpointing``, ``--offload-activations``,
+``--mlp-tile-tokens``, ``--fused-loss`` / ``--no-fused-loss``): with
+``--activation-checkpointing`` the setting they give is estimated (the trainers' defaults for
+the others); without it, those given are held while the others are chosen. A setting the
+trainers refuse (a tiled MLP of a mixture of experts) is a usage error (exit status 2).
 
 ``--memory auto`` in ``cp_rope.launch.pretrain`` and ``finetune_hf`` calls
 :func:`choose` with the run's shapes and the GPU's memory.
@@ -60,6 +67,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -68,7 +76,8 @@ from cp_rope.parallel.cost_model import causal_pairs
 from .config import PRESETS, ConfigError, check_seq_len
 from .memory_shapes import Shapes
 
-__all__ = ["Shapes", "Settings", "estimate", "candidates", "choose", "auto_settings", "main", "GIB"]
+__all__ = ["Shapes", "Settings", "estimate", "candidates", "check_settings", "choose",
+           "auto_settings", "main", "GIB"]
 
 GIB = 1 << 30
 HOST_BW = 55e9
@@ -225,16 +234,32 @@ def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int =
 
 
 def candidates(s: Shapes, *, tiled_mlp: bool = True, fused_loss: bool = True,
-               tile_tokens: int = 8192) -> list[Settings]:
-    """Every combination the planner considers."""
-    out = []
-    for mode in ("none", "selective", "full"):
-        for off in (False, True):
-            for tile in ((0, tile_tokens) if tiled_mlp else (0,)):
-                for fused in ((True, False) if fused_loss else (False,)):
-                    out.append(Settings(activation_checkpointing=mode, offload_activations=off,
-                                        mlp_tile_tokens=tile, fused_loss=fused))
-    return out
+               tile_tokens: int = 8192, fixed: dict | None = None) -> list[Settings]:
+    """Every combination the planner considers: no tiled MLP for a mixture of experts (the
+    trainers refuse it, :func:`check_settings`); ``fixed``: :class:`Settings` fields held at the
+    given values (the setting flags given to :func:`main`), the others chosen."""
+    opts = {"activation_checkpointing": ("none", "selective", "full"),
+            "offload_activations": (False, True),
+            "mlp_tile_tokens": (0, tile_tokens) if tiled_mlp and not s.n_moe else (0,),
+            "fused_loss": (True, False) if fused_loss else (False,)}
+    for name, value in (fixed or {}).items():
+        if name not in opts:
+            raise ValueError(f"fixed={fixed!r}: {name!r} is not one of {list(opts)}")
+        opts[name] = (value,)
+    return [Settings(**dict(zip(opts, values, strict=True)))
+            for values in itertools.product(*opts.values())]
+
+
+def check_settings(s: Shapes, st: Settings, *, where: str = "mlp_tile_tokens") -> None:
+    """ConfigError naming ``where`` for a setting the trainers refuse for ``s``: a tiled MLP
+    of a mixture-of-experts model (finetune_hf: ``hf.mlp_tile_tokens``; cp_rope.hf.patch_model
+    refuses to tile an MoE block, whose router logits the load-balancing loss differentiates)."""
+    if st.mlp_tile_tokens and s.n_moe:
+        raise ConfigError(f"{where}={st.mlp_tile_tokens}: a mixture-of-experts model "
+                          f"({s.n_experts} experts on {s.n_moe} of {s.n_layers} layers): the "
+                          "trainers refuse a tiled MLP there (its router logits are recorded "
+                          "inside the MoE blocks, whose tiles run without autograd); leave it "
+                          "off (0)")
 
 
 def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
@@ -271,7 +296,8 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     :func:`choose` picks for ``cfg.data.tokens_per_batch`` tokens per step on ``device``.
 
     Knobs the model config does not have (``mlp_tile_tokens``, ``fused_loss``) are left out of
-    the search. On a CPU run nothing changes. Returns ``(cfg, message)``.
+    the search, and so is a tiled MLP for a mixture of experts (:func:`candidates`). On a CPU
+    run nothing changes. Returns ``(cfg, message)``.
 
     Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need.
     """
@@ -320,6 +346,16 @@ def _shapes(args) -> Shapes:
     return s
 
 
+def _held_flags(fixed: dict) -> list[str]:
+    """The setting flags ``fixed`` holds, as they are written on the command line."""
+    out = []
+    for name, value in fixed.items():
+        flag = "--" + name.replace("_", "-")
+        out.append(f"{flag} {value}" if not isinstance(value, bool)
+                   else flag if value else flag.replace("--", "--no-", 1))
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m cp_rope.launch.plan_memory",
                                 description=__doc__.split("\n\n")[0])
@@ -339,11 +375,22 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-memory-gib", type=float, default=100.0,
                    help="pinned host memory one GPU's offload may use, GiB (default 100)")
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
-                   help="estimate this setting (with the other setting flags) instead of choosing")
-    p.add_argument("--offload-activations", action="store_true")
-    p.add_argument("--mlp-tile-tokens", type=int, default=0)
-    p.add_argument("--no-fused-loss", action="store_true")
+                   help="estimate this setting, with the other setting flags (the trainers' "
+                   "defaults where not given), instead of choosing")
+    p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction,
+                   help="offload what each layer saves (default: chosen; with "
+                   "--activation-checkpointing: off)")
+    p.add_argument("--mlp-tile-tokens", type=int, default=None,
+                   help="tokens per MLP tile, 0 = untiled (default: chosen, 0 or 8192; with "
+                   "--activation-checkpointing: 0)")
+    p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction,
+                   help="the chunked fused loss (default: chosen; with "
+                   "--activation-checkpointing: on)")
     args = p.parse_args(argv)
+    # the setting flags given: held while the others are chosen, or the setting to estimate
+    fixed = {k: getattr(args, k) for k in ("activation_checkpointing", "offload_activations",
+                                           "mlp_tile_tokens", "fused_loss")
+             if getattr(args, k) is not None}
     for name in ("seq_len", "cp_size", "dp_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -352,7 +399,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not (math.isfinite(args.host_memory_gib) and args.host_memory_gib >= 0):
         p.error(f"--host-memory-gib must be a finite number >= 0, got {args.host_memory_gib}")
     for name in ("mlp_tile_tokens", "vocab_size", "doc_len"):
-        if getattr(args, name) < 0:
+        if (getattr(args, name) or 0) < 0:
             p.error(f"--{name.replace('_', '-')} must be >= 0, got {getattr(args, name)}")
     if args.doc_len > args.seq_len:
         p.error(f"--doc-len must be <= --seq-len ({args.seq_len}), got {args.doc_len}")
@@ -370,20 +417,23 @@ def main(argv: list[str] | None = None) -> dict:
              f"{args.seq_len:,} tokens/step, cp {args.cp_size} x dp {args.dp_size}, per GPU")
     if s.window_note():
         where += f"\n  {s.window_note()}"
+    try:  # what the trainers refuse for this model (a tiled MLP of a mixture of experts)
+        check_settings(s, Settings(**fixed), where="--mlp-tile-tokens")
+    except ConfigError as exc:
+        p.error(str(exc))
     if args.activation_checkpointing:
-        st = Settings(activation_checkpointing=args.activation_checkpointing,
-                      offload_activations=args.offload_activations,
-                      mlp_tile_tokens=args.mlp_tile_tokens, fused_loss=not args.no_fused_loss)
+        st = Settings(**fixed)
         est = estimate(s, st, **kw)
         print(report(s, st, est, title=where))
         return {"settings": dataclasses.asdict(st), "estimate": est}
+    held = f"\n  held: {' '.join(_held_flags(fixed))}" if fixed else ""
     try:
         st, est = choose(s, gpu_bytes=int(args.gpu_memory_gib * GIB),
-                         host_bytes=int(args.host_memory_gib * GIB), **kw)
+                         host_bytes=int(args.host_memory_gib * GIB), fixed=fixed, **kw)
     except ConfigError as exc:
-        print(f"{where}\n  error: {exc}")
+        print(f"{where}{held}\n  error: {exc}")
         return {"settings": None, "error": str(exc)}
-    print(report(s, st, est, title=where + f", fits {args.gpu_memory_gib:.1f} GiB"))
+    print(report(s, st, est, title=where + f", fits {args.gpu_memory_gib:.1f} GiB{held}"))
     return {"settings": dataclasses.asdict(st), "estimate": est}
 
 

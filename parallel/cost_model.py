@@ -158,6 +158,34 @@ def _layer_windows(window) -> list[int | None]:
     return [check_window(window)]
 
 
+def _check_setting(setting, C: int, hq: int, hkv: int) -> None:
+    """TypeError / ValueError naming ``setting.<field>`` for a setting no plan runs: not a
+    :class:`Setting`; a method or placement not in the lists; a split threshold that is not
+    an int >= 0, given to zigzag or missing for per_document at ``C > 1``; a ``ulysses_size``
+    the method cannot use (``check_ulysses_args``)."""
+    if not isinstance(setting, Setting):
+        raise TypeError(f"setting={setting!r}: expected a cost_model.Setting(placement, "
+                        "split_threshold, method, ulysses_size)")
+    if setting.method not in METHODS:
+        raise ValueError(f"setting.method={setting.method!r}: expected one of {list(METHODS)}")
+    if setting.placement not in PLACEMENTS:
+        raise ValueError(f"setting.placement={setting.placement!r}: expected one of "
+                         f"{list(PLACEMENTS)}")
+    t = setting.split_threshold
+    if t is not None:
+        check_int("setting.split_threshold", t, min_value=0)
+        if setting.placement == "zigzag":
+            raise ValueError(f"setting.split_threshold={t!r}: is for placement "
+                             "'per_document' only (None with 'zigzag')")
+    elif setting.placement == "per_document" and C > 1:
+        raise ValueError("setting.split_threshold=None: placement 'per_document' needs a "
+                         "split threshold (an int >= 0, e.g. placement.default_split_threshold)")
+    if C > 1:
+        check_ulysses_args(setting.method, setting.ulysses_size, C, hq, hkv)
+    elif setting.ulysses_size is not None:
+        check_int("setting.ulysses_size", setting.ulysses_size, min_value=1)
+
+
 def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_heads: int,
             head_dim: int, dtype: torch.dtype = torch.bfloat16, backend: str = "cudnn",
             calibration: Calibration | None = None, per_rank: bool = False,
@@ -188,7 +216,9 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     Returns: the slowest rank's ms (and with ``per_rank`` a ``(ms, [ms per rank])`` tuple; a
     list of windows: the layers' mean of both).
 
-    Raises: ValueError / TypeError naming a bad argument (as ``comm_volume`` /
+    Raises: ValueError / TypeError naming a bad argument (``setting.method`` /
+    ``setting.placement`` / ``setting.split_threshold`` / ``setting.ulysses_size`` no plan
+    runs; as ``comm_volume`` /
     ``check_ulysses_args`` for head counts the method cannot split; q_heads not a multiple
     of kv_heads; a misspelled ``backend``; a ``calibration`` that is not a
     :class:`Calibration`; a split document whose length is not divisible by ``2 * cp_size``).
@@ -202,8 +232,7 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
     acc = 8 if dtype == torch.float64 else 4
     lens = np.diff(cu)
     windows = _layer_windows(window)
-    if C > 1 and setting.method in ("ulysses", "hybrid"):
-        check_ulysses_args(setting.method, setting.ulysses_size, C, hq, hkv)
+    _check_setting(setting, C, hq, hkv)
     longest = int(lens.max()) if lens.size else 0
     weights: dict[int | None, int] = {}  # effective window (as the plan's) -> layers
     for w in windows:

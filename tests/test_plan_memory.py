@@ -358,3 +358,66 @@ def test_nothing_fits_exits_non_zero(tmp_path):
     ok = subprocess.run(cmd[:3] + ["--preset", "1b", "--seq-len", "65536"], capture_output=True,
                         text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+# ------------------------------------------ setting flags without --activation-checkpointing (round 5)
+
+@pytest.mark.parametrize("flags,held", [
+    (["--offload-activations", "--mlp-tile-tokens", "1024", "--no-fused-loss"],
+     dict(mlp_tile_tokens=1024, offload_activations=True, fused_loss=False)),
+    (["--no-fused-loss"], dict(fused_loss=False)),
+    (["--offload-activations"], dict(offload_activations=True)),
+    (["--mlp-tile-tokens", "1024"], dict(mlp_tile_tokens=1024)),
+    (["--no-offload-activations", "--mlp-tile-tokens", "0", "--fused-loss"],
+     dict(offload_activations=False, mlp_tile_tokens=0, fused_loss=True)),
+])
+def test_plan_memory_holds_the_setting_flags_given_while_choosing(capsys, flags, held):
+    """Round 5 #4: without --activation-checkpointing, --mlp-tile-tokens, --offload-activations
+    and --no-fused-loss were ignored (the choice and its output byte-identical to the run
+    without them; the settings line said --fused-loss after --no-fused-loss). They are held,
+    as the trainers run them, and the rest is chosen among the candidates that have them."""
+    argv = ["--preset", "1b", "--seq-len", "4096"]
+    free = main(argv)
+    plain = capsys.readouterr().out
+    got = main(argv + flags)
+    out = capsys.readouterr().out
+    assert {k: got["settings"][k] for k in held} == held, got["settings"]
+    st = Settings(**got["settings"])
+    assert f"  settings: {st.flags()}  (" in out and f"  held: {' '.join(flags)}" in out, out
+    want = choose(Shapes.from_model_config(preset("1b").model), tokens=4096,
+                  gpu_bytes=int(141e9), fixed=held)
+    assert got["settings"] == dataclasses.asdict(want[0]) and got["estimate"] == want[1]
+    if any(free["settings"][k] != v for k, v in held.items()):
+        assert out != plain
+    if held.get("fused_loss") is False:
+        assert "--no-fused-loss" in out.split("settings:")[1].splitlines()[0]
+
+
+def test_plan_memory_estimate_takes_the_trainers_defaults_for_flags_not_given():
+    """With --activation-checkpointing the setting is estimated: flags not given are the
+    trainers' defaults (no offload, untiled MLP, fused loss), given ones as given."""
+    argv = ["--preset", "tiny", "--seq-len", "4096", "--activation-checkpointing", "none"]
+    assert main(argv)["settings"] == dataclasses.asdict(Settings())
+    got = main(argv + ["--offload-activations", "--mlp-tile-tokens", "512", "--no-fused-loss"])
+    assert got["settings"] == dataclasses.asdict(Settings(
+        offload_activations=True, mlp_tile_tokens=512, fused_loss=False))
+
+
+@pytest.mark.parametrize("extra", [[], ["--activation-checkpointing", "full"]])
+def test_plan_memory_refuses_a_tiled_mlp_of_experts_as_the_trainers_do(tmp_path, capsys, extra):
+    """Round 5 #4: the trainers refuse --mlp-tile-tokens on a mixture of experts (finetune_hf's
+    hf.mlp_tile_tokens; cp_rope.hf.patch_model's mlp_modules): plan_memory refuses it too
+    (exit 2, naming the flag), and the chooser (also --memory auto's) never picks a tile there."""
+    pytest.importorskip("transformers")
+    from cp_rope.launch.plan_memory import candidates
+
+    path = _model_dir(tmp_path, model_type="mixtral", num_local_experts=8, num_experts_per_tok=2)
+    with pytest.raises(SystemExit) as exc:
+        main(["--model", path, "--seq-len", "4096", "--mlp-tile-tokens", "1024", *extra])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "error: --mlp-tile-tokens=1024: a mixture-of-experts" in err
+    moe = Shapes.from_hf_dir(path)
+    assert {st.mlp_tile_tokens for st in candidates(moe)} == {0}
+    assert {st.mlp_tile_tokens for st in candidates(S)} == {0, 8192}
+    got = main(["--model", path, "--seq-len", "4096", "--mlp-tile-tokens", "0", *extra])
+    assert got["settings"]["mlp_tile_tokens"] == 0
