@@ -8,6 +8,7 @@ see that module for the units."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 
@@ -16,8 +17,9 @@ import torch
 
 from . import _compat
 
-__all__ = ["Calibration", "CalibrationError", "calibration_or_default", "default_calibration",
-           "load_calibration", "save_calibration"]
+__all__ = ["Calibration", "CalibrationError", "CalibrationSig", "calibration_or_default",
+           "calibration_signature", "default_calibration", "load_calibration",
+           "save_calibration"]
 
 FORMAT = 1
 _OPTIONAL = ("source", "crossover", "fa4_version")
@@ -133,6 +135,32 @@ def calibration_or_default(cal: Calibration | None) -> Calibration:
     return cal
 
 
+@dataclasses.dataclass(frozen=True)
+class CalibrationSig:
+    """What identifies a calibration in the ranks' agreement (:func:`calibration_signature`):
+    equal when the constants are (``digest``); ``source`` only names it in a message (the
+    same file at another path per node is the same calibration)."""
+
+    digest: str
+    source: str = dataclasses.field(default="", compare=False)
+
+    def __str__(self) -> str:
+        return f"#{self.digest} ({self.source or 'no source'})"
+
+
+_NOT_CONSTANTS = ("source", "device_name", "torch_version", "fa4_version")
+"""Fields a prediction does not read: left out of :func:`calibration_signature`'s digest."""
+
+
+def calibration_signature(cal: Calibration) -> CalibrationSig:
+    """``cal``'s signature for the ranks' agreement: a short SHA-256 of the constants the
+    cost model reads (every field but :data:`_NOT_CONSTANTS`) and its ``source``. Ranks whose
+    auto choice ran on different constants show ``calibration=#digest (source)`` each."""
+    d = {k: v for k, v in cal.to_dict().items() if k not in _NOT_CONSTANTS}
+    text = json.dumps(d, sort_keys=True, default=repr)
+    return CalibrationSig(hashlib.sha256(text.encode()).hexdigest()[:12], cal.source)
+
+
 def _device_name(device: torch.device | str | None) -> str:
     device = torch.device(device) if device is not None else (
         torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu"))
@@ -169,8 +197,9 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
         check_machine: also require the file's torch version to be this process's.
 
     Raises: CalibrationError (a ValueError) naming ``path``: unreadable, not JSON, another
-    format, missing or invalid fields (non-positive or non-finite numbers, tables of the
-    wrong length), or measured on another device / torch version.
+    format, missing or invalid fields (non-finite or negative numbers, a gbps of 0, a number
+    <= 0 in a table: ``block_keys``, ``tflops``, ``crossover``; tables of the wrong length,
+    keys not increasing), or measured on another device / torch version.
     """
     try:
         with open(path) as f:
@@ -204,11 +233,17 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
         raise CalibrationError(f"calibration file {path!r}: malformed ({exc})") from exc
     bad = [k for k, v in nums.items() if not math.isfinite(v) or v < 0
            or (v == 0 and k.endswith("gbps"))]
-    bad += [f"tflops[{k}]" for k, v in tflops.items()
+    # every number of a table > 0 and finite: a key <= 0 is log(0) = -inf or NaN in tflops_at
+    bad += [f"tflops[{k}] (a number > 0 at each of the {len(keys)} block_keys)"
+            for k, v in tflops.items()
             if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
-    if not keys or any(b <= a for a, b in zip(keys, keys[1:], strict=False)) or not tflops:
-        bad.append("block_keys / tflops['cudnn']")
-    bad += [f"crossover[{k}]" for k, v in crossover.items() if k < 1 or v < 0]
+    if not tflops:
+        bad.append("tflops (no table)")
+    if not keys or not all(math.isfinite(x) and x > 0 for x in keys) or any(
+            b <= a for a, b in zip(keys, keys[1:], strict=False)):
+        bad.append(f"block_keys={list(keys)} (finite numbers > 0, increasing)")
+    bad += [f"crossover[{k}]={v} (an int >= 1 per head_dim >= 1)"
+            for k, v in crossover.items() if k < 1 or v < 1]
     if bad:
         raise CalibrationError(f"calibration file {path!r}: invalid {', '.join(bad)}")
     if check_machine:

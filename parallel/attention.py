@@ -34,7 +34,7 @@ import torch.distributed as dist
 from cp_rope.validation import check_bool, check_choice, check_cu_seqlens, content_checks_enabled
 
 from ._blocks import get_backend
-from ._calibration import Calibration, calibration_or_default
+from ._calibration import Calibration, calibration_or_default, calibration_signature
 from ._choose import LayoutInfo, choose_strategy
 from ._dispatch import run_plan
 from ._window import check_sinks, check_windows
@@ -153,6 +153,8 @@ def attention_plan(
                                  else split_threshold), ulysses_size=ulysses_size,
                 calibration=calibration, window=window)
             choice = choose_strategy(info)
+            # the ranks priced it with their own constants: agree them (named on a mismatch)
+            _extra_sig = {**(_extra_sig or {}), "calibration": calibration_signature(calibration)}
             if choice.placement != laid:
                 raise ValueError(f"placement: the chooser picked {choice.placement!r} but the "
                                  f"rows in hand are laid out {laid!r} (placement is chosen "

@@ -120,6 +120,7 @@ class PerDocumentPlan(FrozenPlan):
             if _check is not None:
                 _check()
             _check_local(placement, size, rank, n_tokens, seq_lens)
+            check_device(device)  # here, not only in _assemble: every rank must raise
             check_choice("method", method, METHODS)  # a batch without split documents too
             check_ulysses_args(method, ulysses_size, size, q_heads, kv_heads)
             check_bool("causal", causal)

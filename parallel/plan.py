@@ -135,7 +135,7 @@ class CPAttentionPlan(FrozenPlan):
 
         Raises:
             TypeError / ValueError: a bad argument, named (cu_seqlens content included;
-                ``device`` a CUDA device without CUDA).
+                ``device`` the meta device, or a CUDA device without CUDA).
             RuntimeError: the ranks of the group disagree (every rank raises; the message
                 shows each rank's values), or a rank's own arguments were bad (the other
                 ranks raise naming it).

@@ -23,8 +23,9 @@ def check_device(device) -> torch.device:
     """``device`` as a ``torch.device`` this process can use (``cuda`` gets its index).
 
     Raises: TypeError if not a torch.device / str / int; ValueError naming ``device`` if it
-    is not a device name, or a CUDA device on a machine or build without one (or beyond
-    ``torch.cuda.device_count()``).
+    is not a device name, the meta device (it holds no data: a call would fail inside torch
+    reading the plan's tensors), or a CUDA device on a machine or build without one (or
+    beyond ``torch.cuda.device_count()``).
     """
     if isinstance(device, bool) or not isinstance(device, (torch.device, str, int)):
         raise TypeError(f"device must be a torch.device, str or int, got {type(device).__name__}")
@@ -32,6 +33,9 @@ def check_device(device) -> torch.device:
         dev = torch.device(device)
     except (RuntimeError, ValueError) as exc:  # e.g. an int on a build without accelerator
         raise ValueError(f"device={device!r} is not usable here: {exc}") from None
+    if dev.type == "meta":
+        raise ValueError(f"device={str(dev)!r}: the meta device holds no data (a plan's index "
+                         "tensors and every call read it); pass the device q/k/v live on")
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"device={device!r}: CUDA is not available (torch "

@@ -369,3 +369,79 @@ def _peer_shard_body(rank: int, world: int) -> None:
 def test_a_peers_shard_is_refused_naming_both_ranks():
     from dist_utils import run_distributed
     run_distributed(_peer_shard_body, 2, timeout_s=60)
+
+
+# ------------------------------------------------------------------ round 5 #9: the meta device
+_META = r"device='meta': the meta device holds no data"
+
+
+def test_a_meta_device_is_refused_at_the_build():
+    """Before: accepted; the call then failed inside torch ("Tensor.item() cannot be called on
+    meta tensors")."""
+    from cp_rope.parallel import attention_plan
+    cu, q, k, v = _case([6, 10])
+    kw = dict(q_heads=4, kv_heads=2, head_dim=16, dtype=torch.float64)
+    with pytest.raises(ValueError, match=_META):
+        attention_plan(cu, 10, **kw, device="meta")
+    with pytest.raises(ValueError, match=_META):
+        attention_plan(cu, 10, **kw, device=torch.device("meta"), method="auto")
+    with pytest.raises(ValueError, match=_META):
+        CPAttentionPlan.simulated(cu, 10, cp_size=2, cp_rank=0, **kw, device="meta")
+    with pytest.raises(ValueError, match=_META):  # the call builds its plan on q's device
+        context_parallel_attention(q.to("meta"), k.to("meta"), v.to("meta"), cu.to("meta"), 10)
+
+
+def _meta_on_one_rank_body(rank: int, world: int) -> None:
+    import torch.distributed as dist
+
+    from cp_rope.parallel import PackingCollator, attention_plan
+    docs = [{"input_ids": torch.arange(n)} for n in (3, 40, 7, 20)]
+    kw = dict(q_heads=2, kv_heads=1, head_dim=8, dtype=torch.float32, group=dist.group.WORLD,
+              device="meta" if rank == 0 else "cpu")
+    for placement in ("zigzag", "per_document"):
+        extra = {"split_threshold": 16} if placement == "per_document" else {}
+        batch = PackingCollator(cp_size=2, cp_rank=rank, placement=placement, **extra)(docs)
+        want = (ValueError, _META) if rank == 0 else (
+            RuntimeError, r"rank 0: ValueError: " + _META)
+        with pytest.raises(want[0], match=want[1]):  # before: both built (device not agreed)
+            attention_plan(batch, **kw)
+        attention_plan(batch, **{**kw, "device": "cpu"})  # the group still agrees afterwards
+
+
+def test_a_meta_device_on_one_rank_raises_on_every_rank():
+    from dist_utils import run_distributed
+    run_distributed(_meta_on_one_rank_body, 2, timeout_s=60)
+
+
+# ------------------------------------------------------------------ round 5 #10: calibration
+def _calibration_per_rank_body(rank: int, world: int) -> None:
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from cp_rope.parallel import PackingCollator, attention_plan
+    from cp_rope.parallel._calibration import calibration_signature
+    from cp_rope.parallel.calibrate import default_calibration
+    docs = [list(range(n)) for n in (3, 20, 1, 31, 8)]
+    batch = PackingCollator(cp_size=2, cp_rank=rank)(docs)
+    kw = dict(q_heads=4, kv_heads=4, head_dim=8, dtype=torch.float64, group=dist.group.WORLD,
+              method="auto")
+    cal = default_calibration()
+    # the same constants under another source (one file at a per-node path) agree
+    same = dataclasses.replace(cal, source=f"file /node{rank}/cal.json")
+    assert attention_plan(batch, **kw, calibration=same).calibration is same
+    slow = dataclasses.replace(cal, a2a_gbps=1e-4)
+    # before: "rank 0: method=ulysses / rank 1: method=ring", though both passed "auto"
+    with pytest.raises(RuntimeError, match=r"(?s)rank 0: .*calibration=#\w+ \(shipped H200"
+                                           r".*rank 1: .*calibration=#\w+ \(shipped H200") as e:
+        attention_plan(batch, **kw, calibration=slow if rank == 1 else cal)
+    for c in (cal, slow):  # every rank shows both
+        assert f"calibration={calibration_signature(c)}" in str(e.value), str(e.value)
+    assert calibration_signature(cal) != calibration_signature(slow)
+    plan = attention_plan(batch, **kw, calibration=cal)  # the group still agrees afterwards
+    assert plan.choice is not None
+
+
+def test_a_calibration_that_differs_across_ranks_is_named():
+    from dist_utils import run_distributed
+    run_distributed(_calibration_per_rank_body, 2, timeout_s=60)

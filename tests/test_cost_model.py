@@ -93,6 +93,57 @@ def test_calibration_json_booleans_and_strings_are_not_numbers(tmp_path, key, va
         calib.load_calibration(path, "cpu")
 
 
+@pytest.mark.parametrize("key,value,match", [
+    ("block_keys", [0.0, 128.0, 1024.0, 8192.0, 65536.0], r"invalid block_keys=\[0\.0, 128"),
+    ("block_keys", [-1.0, 128.0, 1024.0, 8192.0, 65536.0], r"invalid block_keys=\[-1\.0, 128"),
+    ("block_keys", [16.0, 128.0, 1024.0, 8192.0, float("nan")], r"invalid block_keys=.*nan"),
+    ("block_keys", [16.0, 128.0, 1024.0, 8192.0, float("inf")], r"invalid block_keys=.*inf"),
+    ("block_keys", [], r"invalid .*block_keys=\[\]"),
+    ("tflops", {"cudnn": [243.7, 0.0, 503.6, 503.6, 546.3]}, r"invalid tflops\[cudnn\]"),
+    ("tflops", {}, r"invalid tflops \(no table\)"),
+    ("crossover", {"64": 0}, r"invalid crossover\[64\]=0"),
+])
+def test_calibration_tables_refuse_numbers_not_above_zero(tmp_path, key, value, match):
+    """Round 5 #5: block_keys of 0 / -1 were loaded (the docstring says non-positive numbers
+    are refused): 0 changed the predictions silently (log 0 = -inf), -1 made them NaN and
+    choose() failed at the first batch naming no file. Every number of every table must be
+    finite and > 0; the message names the file and the key."""
+    path = str(tmp_path / "cal.json")
+    raw = calib.default_calibration("cpu").to_dict()
+    json.dump(dict(raw, **{key: value}), open(path, "w"))
+    with pytest.raises(calib.CalibrationError, match=r"cal\.json.*" + match):
+        calib.load_calibration(path, "cpu")
+    json.dump(raw, open(path, "w"))  # the shipped numbers load and predict
+    got = calib.load_calibration(path, "cpu")
+    assert predict([0, 4, 8, 12, 16], Setting("zigzag", None, "ring"), cp_size=2, q_heads=2,
+                   kv_heads=2, head_dim=8, calibration=got) > 0
+
+
+@pytest.mark.parametrize("setting,exc,match", [
+    (Setting("zigzag", None, "rng"), ValueError,
+     r"setting\.method='rng': expected one of \['ring', 'allgather', 'ulysses', 'hybrid'\]"),
+    (Setting("zigzag", None, None), ValueError, r"setting\.method=None: expected one of"),
+    (Setting("zz", None, "ring"), ValueError,
+     r"setting\.placement='zz': expected one of \['zigzag', 'per_document'\]"),
+    (Setting("zigzag", 5, "ring"), ValueError,
+     r"setting\.split_threshold=5: is for placement 'per_document' only"),
+    (Setting("per_document", None, "ring"), ValueError,
+     r"setting\.split_threshold=None: placement 'per_document' needs a split threshold"),
+    (Setting("per_document", -1, "ring"), ValueError, r"setting\.split_threshold must be >= 0"),
+    (Setting("per_document", 2.5, "ring"), TypeError, r"setting\.split_threshold must be an int"),
+    (Setting("zigzag", None, "ring", 2), ValueError, r"ulysses_size is only used with"),
+    (("zigzag", None, "ring"), TypeError, r"setting=\('zigzag', None, 'ring'\): expected a "),
+])
+def test_predict_names_a_bad_setting(setting, exc, match):
+    """Round 5 #11: Setting("zigzag", None, "rng") raised a raw TypeError from the cost terms
+    ("unsupported operand type(s) for //: 'int' and 'NoneType'"); every field is named."""
+    with pytest.raises(exc, match=match):
+        predict([0, 8], setting, cp_size=2, q_heads=2, kv_heads=2, head_dim=8)
+    if match.startswith((r"setting\.method", r"setting\.placement")):  # at cp 1 too
+        with pytest.raises(exc, match=match):
+            predict([0, 8], setting, cp_size=1, q_heads=2, kv_heads=2, head_dim=8)
+
+
 @pytest.mark.parametrize("kw,exc,match", [
     ({"backend": "cuddn"}, ValueError, r"backend='cuddn': expected one of \['auto', 'cudnn'"),
     ({"calibration": {"p2p_gbps": 1.0}}, TypeError, r"calibration must be a Calibration .*got dict"),

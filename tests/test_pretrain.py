@@ -176,7 +176,8 @@ def test_bad_config_names_the_field(argv, field):
 
 
 def test_the_message_names_field_value_and_reason():
-    with pytest.raises(ConfigError, match=r"^model\.dim=128: must be divisible by model\.n_heads=3$"):
+    with pytest.raises(ConfigError, match=r"^model\.dim=128: must be divisible by "
+                                          r"model\.n_heads=3 \(or set model\.head_dim\)$"):
         validate(parse_args(["--n-heads", "3"]))
 
 
