@@ -426,6 +426,7 @@ def _errors_across_ranks(rank, world_size, group):
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
+@pytest.mark.slow
 def test_cp_attention_matches_single_process(world_size):
     run_distributed(_parity_body, world_size, timeout_s=120)
 

@@ -239,6 +239,7 @@ KILL_MOMENTS = ("shard_written_not_synced", "dcp_done_manifest_not_written",
                 "manifest_written_not_renamed")
 
 
+@pytest.mark.slow
 def test_kill_9_during_a_save_never_leaves_a_checkpoint_that_loads_damaged(reference, tmp_path):
     """kill -9 at three moments of the step-3 save (the processes run side by side): no
     step_3 appears, the leftover .partial is never read, --resume continues from step 2 with

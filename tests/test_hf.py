@@ -292,6 +292,7 @@ def _cp_body(rank: int, world: int) -> None:
         raise AssertionError("a group without this rank was accepted")
 
 
+@pytest.mark.slow
 def test_cp2_cp4_equal_unpatched():
     run_distributed(_cp_body, 4)
 

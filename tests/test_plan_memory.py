@@ -162,6 +162,7 @@ def test_calibration_against_round_2_h200_peaks(model, tokens, flags, measured_g
     assert abs(got["total"] / GIB / measured_gib - 1) < 0.10, got["total"] / GIB
 
 
+@pytest.mark.slow
 def test_memory_timeline_marks_every_layer_and_phase(tmp_path):
     """scripts/memory_timeline.py --tiny (the CPU plumbing of the GPU diagnostic in
     docs/benchmarks.md, Memory round 3): one line per step with every layer's forward and

@@ -70,6 +70,7 @@ def _resume_body(rank: int, world: int, tmp: str) -> None:
     assert dist.is_initialized()  # main leaves a caller's process group alone
 
 
+@pytest.mark.slow
 def test_resume_bit_for_bit(tmp_path):
     """Steps 1..6 at once == steps 1..3, checkpoint, resume, 4..6 (world 2: cp 2, dp 2, FSDP2)."""
     run_distributed(_resume_body, 2, str(tmp_path), timeout_s=300)

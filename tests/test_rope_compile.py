@@ -70,6 +70,7 @@ def _run(batches, device, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_varying_shapes_and_max_seqlen(device, backend):
     """T, n_seqs and max_seqlen change every batch (5 batches): at most 2 compilations."""
     batches = [(128, 3, 50, False), (160, 5, 30, False), (192, 8, 20, False),
@@ -79,6 +80,7 @@ def test_compile_varying_shapes_and_max_seqlen(device, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_mark_dynamic_and_max_seqlen_values(device, backend):
     """mark_dynamic on T (and B): max_seqlen 75, 124, 160 at the same T, then new
     (T, n_seqs): at most 2 compilations (max_seqlen is only a host-side check)."""
@@ -126,6 +128,7 @@ def _positions_step(q, k, cos, sin, cu, pos, start, backend):
 @pytest.mark.parametrize("mode", ["position_ids", "start_positions"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.slow
 def test_compile_positions(device, backend, mode):
     """position_ids (int64 [T]) or start_positions (int32 [B]) with conjugate, through
     torch.compile(fullgraph=True) with T and B marked dynamic: forward and backward equal

@@ -361,5 +361,6 @@ def _rank_stalls_body(rank, world_size, method, ulysses_size):
     assert time.monotonic() - start < 10
 
 
+@pytest.mark.slow
 def test_stalled_rank_does_not_hang():
     run_distributed(_rank_stalls_body, 4, "hybrid", 2, timeout_s=5)

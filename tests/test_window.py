@@ -385,5 +385,6 @@ def _parity_body(rank, world_size):
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.slow
 def test_window_cp_parity(world_size):
     run_distributed(_parity_body, world_size, timeout_s=600)
