@@ -474,3 +474,37 @@ def test_auto_and_cudnn_with_a_window(monkeypatch):
     with pytest.raises(ValueError, match="backend='cudnn' runs sliding-window.*none does"):
         _blocks.get_backend("cudnn", q, 3, windowed=True)
     assert _blocks.get_backend("auto", q, 3, windowed=True).name == "reference"
+
+
+@pytest.mark.parametrize("backend,lens,in_kernel", [
+    ("fa4", [0, 5, 1, 9, 30], True),
+    ("auto", [9, 30, 12], True),  # every segment at or above the crossover: all on FA4
+    ("auto", [9, 3, 30], False),  # a short one on cuDNN (no sink there): after the merge
+])
+def test_cp1_sinks_in_fa4s_kernel(fakes, backend, lens, in_kernel):
+    """Sinks without a window at cp 1 (GPT-OSS's full layers): the plan's one block takes them
+    in FA4's kernel (learnable_sink, dsink from its backward) when the block runs on FA4 alone,
+    else after the merge; both against the float64 oracle (out, LSE, dq, dk, dv, dsinks)."""
+    from window_utils import window_attention
+
+    fakes["auto"] = 8
+    cu = _cu(lens)
+    n = int(cu[-1]) + 2
+    gen = torch.Generator().manual_seed(sum(lens))
+    q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                     for h in (4, 2, 2, 4))
+    sinks = torch.randn(4, generator=gen, dtype=torch.float64)
+    ins = [t.clone().requires_grad_() for t in (q, k, v, sinks)]
+    fa4_utils.SINK_CALLS.clear()
+    out, lse = context_parallel_attention(*ins[:3], cu, max(lens), backend=backend,
+                                          sinks=ins[3], return_lse=True)
+    grads = torch.autograd.grad((out * dout).sum(), ins)
+    ref = [t.clone().requires_grad_() for t in ins]
+    rout, rlse = window_attention(*ref[:3], cu.tolist(), None, ref[3], 8 ** -0.5)
+    rgrads = torch.autograd.grad((rout * dout).sum(), ref)
+    assert_close(out, rout, **F64_EXACT, name=f"out {backend} {lens}")
+    assert_close(lse, rlse, **F64_EXACT, name=f"lse {backend} {lens}")
+    for nm, g, rg in zip(("dq", "dk", "dv", "dsinks"), grads, rgrads, strict=True):
+        assert_close(g, rg, **F64_EXACT, name=f"{nm} {backend} {lens}")
+    assert fa4_utils.SINK_CALLS == (["fwd", "bwd"] if in_kernel else []), fa4_utils.SINK_CALLS
+    assert in_kernel or CUDNN_CALLS, "the short document did not run on cuDNN"
