@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from . import _compat
+from .choices import BACKENDS
 
 __all__ = ["Calibration", "CalibrationError", "CalibrationSig", "calibration_or_default",
            "calibration_signature", "default_calibration", "load_calibration",
@@ -239,6 +240,9 @@ def load_calibration(path: str, device: torch.device | str | None = None, *,
             if len(v) != len(keys) or not all(math.isfinite(x) and x > 0 for x in v)]
     if not tflops:
         bad.append("tflops (no table)")
+    # a misspelled name would leave every backend on the fallback table (tflops_at)
+    bad += [f"tflops[{k}] (a table of a backend: one of {', '.join(BACKENDS)})"
+            for k in tflops if k not in BACKENDS]
     if not keys or not all(math.isfinite(x) and x > 0 for x in keys) or any(
             b <= a for a, b in zip(keys, keys[1:], strict=False)):
         bad.append(f"block_keys={list(keys)} (finite numbers > 0, increasing)")

@@ -102,6 +102,9 @@ def test_calibration_json_booleans_and_strings_are_not_numbers(tmp_path, key, va
     ("tflops", {"cudnn": [243.7, 0.0, 503.6, 503.6, 546.3]}, r"invalid tflops\[cudnn\]"),
     ("tflops", {}, r"invalid tflops \(no table\)"),
     ("crossover", {"64": 0}, r"invalid crossover\[64\]=0"),
+    # a misspelled table left every backend on the fallback one (381 ms predicted for 1.88)
+    ("tflops", {"cuDNN": [243.7, 203.4, 503.6, 503.6, 546.3]},
+     r"invalid tflops\[cuDNN\] \(a table of a backend: one of cudnn, fa4"),
 ])
 def test_calibration_tables_refuse_numbers_not_above_zero(tmp_path, key, value, match):
     """Round 5 #5: block_keys of 0 / -1 were loaded (the docstring says non-positive numbers

@@ -196,6 +196,21 @@ def test_prepare_bad_input(dirs, tmp_path):
     with pytest.raises(ValueError, match=r"compute_loss_func: prepare's loss"):
         H.prepare(sft, cp_size=1)
     sft.compute_loss_func = None
+    # final pass #1, #2: TRL's loss_type="dft" and a subclass's compute_loss ran as plain NLL
+    sft.args.loss_type = "dft"
+    with pytest.raises(ValueError, match=r"args\.loss_type='dft': prepare's CP loss"):
+        H.prepare(sft, cp_size=1)
+    sft.args.loss_type = "nll"
+
+    class Tripled(type(sft)):
+        def compute_loss(self, *args, **kwargs):
+            return super().compute_loss(*args, **kwargs) * 3
+
+    cls = type(sft)
+    sft.__class__ = Tripled
+    with pytest.raises(ValueError, match=r"compute_loss: Tripled overrides it"):
+        H.prepare(sft, cp_size=1)
+    sft.__class__ = cls
     # nothing above changed the trainers; a good one prepares once, not twice
     assert type(sft) is trl.SFTTrainer and not hasattr(sft.model, "cp_rope_patch")
     H.prepare(sft, cp_size=1)

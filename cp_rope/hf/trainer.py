@@ -309,7 +309,8 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             that pads without ``position_ids`` (or gives keys cp_rope does not carry); a
             per-device batch size other than 1 with pre-packed rows (``packing=True``) or
             ``auto_find_batch_size``; ``loss_impl`` / ``loss_chunk_size`` as the trainers'
-            flags refuse them; ``args.label_smoothing_factor`` or ``compute_loss_func`` set
+            flags refuse them; ``args.label_smoothing_factor``, ``compute_loss_func``, TRL's
+            ``args.loss_type`` other than nll or a user override of ``compute_loss`` set
             (the CP loss replaces the Trainer's); a trainer already prepared; ranks with different
             arguments, ``args.seed`` or ``args.data_seed`` (the sampler's seed).
         RuntimeError (at a step, on CPU or with ``CP_ROPE_DEBUG=1``): the CP ranks of a group
@@ -386,8 +387,9 @@ def _check_loss_args(trainer, impl, fused_loss: bool, chunk_size):
     choice with ``fused_loss=False`` (only the fused loss has kernels to choose);
     ``"liger"`` with a ``loss_chunk_size`` (Liger picks its chunks), on a CPU device or without
     the package; ``loss_chunk_size`` negative or with ``fused_loss=False``; the Trainer's
-    ``args.label_smoothing_factor`` and ``compute_loss_func`` (the CP loss replaces the
-    Trainer's: they would be dropped silently)."""
+    ``args.label_smoothing_factor``, ``compute_loss_func``, TRL's ``args.loss_type`` other
+    than ``"nll"`` and a ``compute_loss`` overridden outside transformers / TRL (the CP loss
+    replaces the Trainer's: they would be dropped silently)."""
     check_choice("loss_impl", impl, LOSS_IMPLS)
     if chunk_size is not None:
         chunk_size = check_int("loss_chunk_size", chunk_size, min_value=0) or None
@@ -401,6 +403,14 @@ def _check_loss_args(trainer, impl, fused_loss: bool, chunk_size):
     if getattr(trainer, "compute_loss_func", None) is not None:
         raise ValueError("compute_loss_func: prepare's loss is the token cross-entropy over the "
                          "CP group and would replace this function (pass none)")
+    loss_type = getattr(trainer.args, "loss_type", "nll")  # TRL's SFTConfig
+    if loss_type not in (None, "nll"):
+        raise ValueError(f"args.loss_type={loss_type!r}: prepare's CP loss is the token "
+                         "cross-entropy ('nll'); another loss would be replaced silently")
+    owner = next(c for c in type(trainer).__mro__ if "compute_loss" in c.__dict__)
+    if owner is not Trainer and not owner.__module__.startswith("trl."):
+        raise ValueError(f"compute_loss: {owner.__name__} overrides it, and prepare's CP loss "
+                         "(CPRopeTrainerMixin.compute_loss) would run instead of the override")
     if impl == "liger":
         if chunk_size:
             raise ValueError(f"loss_impl='liger' with loss_chunk_size={chunk_size}: Liger picks "
