@@ -54,7 +54,7 @@ def flops_per_step(cfg: ModelConfig, n_params_no_embedding: int, n_tokens: int,
     ``6 * L^2 * n_heads * head_dim`` per layer per sequence, summed over the
     *global* sequences (varlen: ``sum_sq_seqlens = sum L_b^2``).
     """
-    attn = 6.0 * sum_sq_seqlens * cfg.n_heads * (head_dim_of(cfg)) * cfg.n_layers
+    attn = 6.0 * sum_sq_seqlens * cfg.n_heads * head_dim_of(cfg) * cfg.n_layers
     return 6.0 * n_params_no_embedding * n_tokens + attn
 
 class Throughput:

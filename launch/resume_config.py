@@ -10,7 +10,8 @@ __all__ = ["RESUME_FIXED", "check_resume_config", "resume_fixed"]
 
 
 RESUME_FIXED: dict[str, tuple[str, ...]] = {
-    "model": ("dim", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_hidden_dim", "vocab_size",
+    "model": ("dim", "n_layers", "n_heads", "head_dim", "n_kv_heads", "ffn_hidden_dim",
+              "vocab_size",
               "norm_eps", "rope_base"),
     "data": ("data", "tokenizer", "text_field", "bin_dtype", "eos_id", "seq_mode", "seq_len",
              "tokens_per_batch", "max_docs", "bpe_vocab_size", "eval_docs"),

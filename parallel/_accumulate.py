@@ -13,7 +13,8 @@ import torch
 
 from ._blocks import NEG_INF, merge_weights
 
-__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads", "apply_sinks", "kernel_sink_block",
+__all__ = ["MERGE_ROWS", "acc_dtype", "Rows", "OutAcc", "mask_pad", "add_grads", "apply_sinks",
+           "kernel_sink_block", "forward_with_kernel_sinks", "backward_with_kernel_sinks",
            "sink_grad"]
 
 # Memory (bytes per rank; T local rows, bf16 inputs, GPU kernels whose partials are bf16).
@@ -168,6 +169,31 @@ def kernel_sink_block(plan, blocks, be, sinks):
         return None
     accepts = getattr(be, "sinks_in_kernel", None)
     return blocks[0] if accepts is not None and accepts(blocks[0]) else None
+
+
+def forward_with_kernel_sinks(q, k, v, plan, blocks, be, scale, sinks, acc):
+    """``(out, lse, aux)`` of the plan's one block with ``sinks`` in its kernel
+    (:func:`kernel_sink_block`), merged into ``acc`` as a method's result; None where the
+    method runs its blocks and applies the sinks after the merge."""
+    blk = kernel_sink_block(plan, blocks, be, sinks)
+    if blk is None:
+        return None
+    parts, aux = be.forward(q, k, v, blk, scale, sinks=sinks)
+    acc.add(parts, first=True)
+    return (*acc.result(plan, q.dtype), aux)
+
+
+def backward_with_kernel_sinks(dout, q, k, v, out, lse, plan, blocks, be, scale, auxs, sinks,
+                               dq, dk, dv):
+    """The backward of :func:`forward_with_kernel_sinks` (``auxs[0]``: its aux): the block's
+    gradients added to the ``dq`` / ``dk`` / ``dv`` accumulators, returned with the sinks'
+    gradient; None where it did not run."""
+    blk = kernel_sink_block(plan, blocks, be, sinks)
+    if blk is None:
+        return None
+    grads, ds = be.backward_with_sinks(dout, q, k, v, out, lse, blk, scale, auxs[0], sinks)
+    add_grads(dq, dk, dv, grads)
+    return dq, dk, dv, ds
 
 
 def apply_sinks(out, lse, sinks, n_rows: int) -> None:

@@ -7,9 +7,9 @@ and cuDNN.
 every backend (a per-block sink would be counted once per block), except where a plan has one
 block in all (cp 1: :func:`~cp_rope.parallel._accumulate.kernel_sink_block`): there FA4's
 ``learnable_sink`` applies them in the kernel and its backward returns their gradient, so no
-pass over the output is made for them (:meth:`Fa4.sinks_in_kernel`). FA4 keeps no padded state (its
-LSE is ``[Hq, T]``, its grid ``(T + n_seg x tile) / tile x Hq`` tiles), so unlike cuDNN a block
-of very unequal documents needs no splitting. Its backward takes any output/LSE pair: the
+pass over the output is made for them (:meth:`Fa4.sinks_in_kernel`). FA4 keeps no padded
+state (its LSE is ``[Hq, T]``, its grid ``(T + n_seg x tile) / tile x Hq`` tiles), so unlike
+cuDNN a block of very unequal documents needs no splitting. Its backward takes any output/LSE pair: the
 merged ones of a ring. Rows of a segment without keys are set to (0, -inf); keys of a segment
 without queries get dK = dV = 0 from the kernel.
 

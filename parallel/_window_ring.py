@@ -16,7 +16,14 @@ from __future__ import annotations
 import torch
 
 from . import _accumulate
-from ._accumulate import OutAcc, Rows, add_grads, kernel_sink_block, sink_grad
+from ._accumulate import (
+    OutAcc,
+    Rows,
+    add_grads,
+    backward_with_kernel_sinks,
+    forward_with_kernel_sinks,
+    sink_grad,
+)
 from ._ring import PeerExchange
 
 __all__ = ["window_forward", "window_backward"]
@@ -49,11 +56,10 @@ def window_forward(group, q, k, v, plan, be, scale, sinks=None):
     """Windowed ring forward; returns (out, lse, per-step lists of backend state)."""
     steps = plan.blocks["window"]
     acc = OutAcc(q, _accumulate.acc_dtype(q.dtype, plan.terms, be))
-    one = kernel_sink_block(plan, [b for st in steps for b in st.blocks], be, sinks)
+    blocks = [b for st in steps for b in st.blocks]
+    one = forward_with_kernel_sinks(q, k, v, plan, blocks, be, scale, sinks, acc)
     if one is not None:  # cp 1, whole documents in one block: the kernel applies the sinks
-        parts, aux = be.forward(q, k, v, one, scale, sinks=sinks)
-        acc.add(parts, first=True)
-        return (*acc.result(plan, q.dtype), [[aux]])
+        return (*one[:2], [[one[2]]])
     ex = _Steps(group, steps, k, v)
     auxs, first = [], True
     nxt = ex.post(1)
@@ -84,11 +90,11 @@ def window_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks
     # one step (cp 1): nothing comes back, dK/dV are the blocks' sum as dq is
     home = _accumulate.acc_dtype(q.dtype, plan.terms, be) if len(steps) == 1 else grad_dtype
     dk, dv = Rows(k.shape, home, dev), Rows(v.shape, home, dev)
-    one = kernel_sink_block(plan, [b for st in steps for b in st.blocks], be, sinks)
+    one = backward_with_kernel_sinks(dout, q, k, v, out, lse, plan,
+                                     [b for st in steps for b in st.blocks], be, scale, auxs[0],
+                                     sinks, dq, dk, dv)
     if one is not None:  # as in window_forward
-        grads, ds = be.backward_with_sinks(dout, q, k, v, out, lse, one, scale, auxs[0][0], sinks)
-        add_grads(dq, dk, dv, grads)
-        return dq, dk, dv, ds
+        return one
     lse_b = be.prepare_lse(lse)
     ex = _Steps(group, steps, k, v)
     home = None  # (exchange, step) of the dK/dV on their way back to us

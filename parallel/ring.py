@@ -27,7 +27,14 @@ import torch
 from cp_rope.positions import global_positions
 
 from . import _accumulate
-from ._accumulate import OutAcc, Rows, add_grads, kernel_sink_block, sink_grad
+from ._accumulate import (
+    OutAcc,
+    Rows,
+    add_grads,
+    backward_with_kernel_sinks,
+    forward_with_kernel_sinks,
+    sink_grad,
+)
 from ._ring import ring_exchange
 from ._schedule import Layout, segments
 from ._window import window_ring_schedule
@@ -85,10 +92,9 @@ def ring_forward(group, q, k, v, plan, be, scale, sinks=None):
     acc = OutAcc(q, _accumulate.acc_dtype(q.dtype, plan.terms, be))
     auxs = []
     C = plan.cp_size
-    if kernel_sink_block(plan, plan.blocks["ring"], be, sinks) is not None:  # cp 1, in-kernel
-        parts, aux = be.forward(q, k, v, plan.blocks["ring"][0], scale, sinks=sinks)
-        acc.add(parts, first=True)
-        return (*acc.result(plan, q.dtype), [aux])
+    one = forward_with_kernel_sinks(q, k, v, plan, plan.blocks["ring"], be, scale, sinks, acc)
+    if one is not None:  # cp 1 with the sinks in the kernel
+        return (*one[:2], [one[2]])
     ring = ring_exchange(group) if C > 1 else None
     kv = (k, v)
     for i, blk in enumerate(plan.blocks["ring"]):
@@ -113,11 +119,10 @@ def ring_backward(group, dout, q, k, v, out, lse, plan, be, scale, auxs, sinks=N
     dq = Rows(q.shape, _accumulate.acc_dtype(q.dtype, plan.terms, be), dev)
     home = _accumulate.acc_dtype(q.dtype, min(plan.terms, 2), be)  # own block + what comes back
     dk, dv = Rows(k.shape, home, dev), Rows(v.shape, home, dev)
-    one = kernel_sink_block(plan, plan.blocks["ring"], be, sinks)
+    one = backward_with_kernel_sinks(dout, q, k, v, out, lse, plan, plan.blocks["ring"], be,
+                                     scale, auxs, sinks, dq, dk, dv)
     if one is not None:  # cp 1 with the sinks in the kernel (as in ring_forward)
-        grads, ds = be.backward_with_sinks(dout, q, k, v, out, lse, one, scale, auxs[0], sinks)
-        add_grads(dq, dk, dv, grads)
-        return dq, dk, dv, ds
+        return one
     kv_ring = ring_exchange(group) if C > 1 else None
     dkv_ring = ring_exchange(group) if C > 1 else None
     # C - 1 steps' dK/dV, then added to the owner's: the input dtype at C = 2 (one term, or

@@ -311,8 +311,8 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             ``auto_find_batch_size``; ``loss_impl`` / ``loss_chunk_size`` as the trainers'
             flags refuse them; ``args.label_smoothing_factor``, ``compute_loss_func``, TRL's
             ``args.loss_type`` other than nll or a user override of ``compute_loss`` set
-            (the CP loss replaces the Trainer's); a trainer already prepared; ranks with different
-            arguments, ``args.seed`` or ``args.data_seed`` (the sampler's seed).
+            (the CP loss replaces the Trainer's); a trainer already prepared; ranks with
+            different arguments, ``args.seed`` or ``args.data_seed`` (the sampler's seed).
         RuntimeError (at a step, on CPU or with ``CP_ROPE_DEBUG=1``): the CP ranks of a group
             drew different batches all the same (e.g. ``torch.manual_seed(rank)`` before
             ``train()``, which seeds accelerate's sampler).
