@@ -32,6 +32,7 @@ esac
 export PIP_DISABLE_PIP_VERSION_CHECK=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-dev}
 [ "$ENTRIES" = "none" ] && { echo "matrix: skipped (CP_ROPE_MATRIX=none)"; exit 0; }
 mkdir -p "$DIR"
+. scripts/pytest_workers.sh  # pytest-xdist workers in each venv (CP_ROPE_TEST_WORKERS)
 RUN_TMP=$(mktemp -d)  # this run's junit files (the venvs' folder is shared by checkouts)
 
 SLICE=(
@@ -95,8 +96,9 @@ for entry in $ENTRIES; do
   fi
   info=$("$py" -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__)" 2>/dev/null || echo "$version")
   xml="$RUN_TMP/junit-$name.xml"
-  CP_ROPE_OTHER_PYTHON="$MAIN_PY" "$py" -m pytest -q -p no:cacheprovider --junitxml="$xml" \
-    "${SLICE[@]}" -k "$DESELECT"
+  read -ra XDIST <<< "$(pytest_workers "$py")"
+  CP_ROPE_OTHER_PYTHON="$MAIN_PY" "$py" -m pytest "${XDIST[@]}" -q -p no:cacheprovider \
+    --junitxml="$xml" "${SLICE[@]}" -k "$DESELECT"
   rc=$?
   exec 9>&-
   t2=$(date +%s)

@@ -221,19 +221,23 @@ def test_no_import_hook_in_the_package():
 @pytest.mark.parametrize("script", ["scripts/test.sh", ".ci/run"])
 def test_test_scripts_pass_paths_to_pytest_alone(tmp_path, script):
     """``scripts/test.sh tests/test_x.py -q`` runs that file only: the script adds
-    no ``tests`` path of its own (pytest then ran the whole suite plus the file).
-    The venv's python is a stub that records its arguments, so set-up is a no-op."""
+    no ``tests`` path of its own (pytest then ran the whole suite plus the file), only the
+    pytest-xdist workers (scripts/pytest_workers.sh: none for CP_ROPE_TEST_WORKERS=1 or
+    arguments that choose their own). The venv's python is a stub that records its
+    arguments (and so "has" xdist), so set-up is a no-op."""
     log = tmp_path / "calls.txt"
     stub = tmp_path / "venv" / "bin" / "python"
     stub.parent.mkdir(parents=True)
     stub.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')
     stub.chmod(0o755)
-    env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"))
-    rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py", "-q"],
-                   tmp_path, env)
-    assert rc == 0, out
-    calls = log.read_text().splitlines()
-    assert calls[-1] == "-m pytest tests/test_structure.py -q", calls
+    for workers, args, xdist in [("3", ["-q"], "-n 3 --dist loadscope "), ("1", ["-q"], ""),
+                                 ("3", ["-q", "-n", "0"], "")]:
+        env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"), CP_ROPE_TEST_WORKERS=workers)
+        rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py", *args],
+                       tmp_path, env)
+        assert rc == 0, out
+        calls = log.read_text().splitlines()
+        assert calls[-1] == f"-m pytest {xdist}tests/test_structure.py {' '.join(args)}", calls
 
 
 def test_cpu_use_without_triton(tmp_path):
