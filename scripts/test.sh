@@ -10,5 +10,5 @@ bash scripts/setup.sh
 PY=python3
 [ "${CP_ROPE_VENV:-.venv}" = "none" ] || PY="${CP_ROPE_VENV:-.venv}/bin/python"
 . scripts/pytest_workers.sh  # pytest-xdist workers (CP_ROPE_TEST_WORKERS=1: one process)
-read -ra XDIST <<< "$(pytest_workers "$PY" "$@")"
+pytest_workers "$PY" "$@" || exit 2
 exec "$PY" -m pytest "${XDIST[@]}" "$@"

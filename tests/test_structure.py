@@ -238,6 +238,15 @@ def test_test_scripts_pass_paths_to_pytest_alone(tmp_path, script):
         assert rc == 0, out
         calls = log.read_text().splitlines()
         assert calls[-1] == f"-m pytest {xdist}tests/test_structure.py {' '.join(args)}", calls
+    n_calls = len(log.read_text().splitlines())
+    for bad in ["0", "two", "-1"]:  # refused with the variable named, before pytest runs
+        env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"), CP_ROPE_TEST_WORKERS=bad)
+        rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py"],
+                       tmp_path, env)
+        assert rc == 2 and f"CP_ROPE_TEST_WORKERS={bad}: expected a whole number" in out, out
+        calls = log.read_text().splitlines()
+        assert not any(c.startswith("-m pytest") for c in calls[n_calls:]), calls
+        n_calls = len(calls)
 
 
 def test_cpu_use_without_triton(tmp_path):
