@@ -6,9 +6,10 @@
 # pyproject's testpaths, tests/; "tests" is not prepended, or a path would add to it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+. scripts/pytest_workers.sh  # pytest-xdist workers (CP_ROPE_TEST_WORKERS=1: one process)
+check_test_workers || exit 4  # before set-up
 bash scripts/setup.sh
 PY=python3
 [ "${CP_ROPE_VENV:-.venv}" = "none" ] || PY="${CP_ROPE_VENV:-.venv}/bin/python"
-. scripts/pytest_workers.sh  # pytest-xdist workers (CP_ROPE_TEST_WORKERS=1: one process)
-pytest_workers "$PY" "$@" || exit 2
-exec "$PY" -m pytest "${XDIST[@]}" "$@"
+pytest_workers "$PY" "$@" || exit 4
+exec "$PY" -m pytest ${XDIST[@]+"${XDIST[@]}"} "$@"

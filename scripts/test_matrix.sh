@@ -33,7 +33,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1 HYPOTHESIS_PROFILE=${HYPOTHESIS_PROFILE:-
 [ "$ENTRIES" = "none" ] && { echo "matrix: skipped (CP_ROPE_MATRIX=none)"; exit 0; }
 mkdir -p "$DIR"
 . scripts/pytest_workers.sh  # pytest-xdist workers in each venv (CP_ROPE_TEST_WORKERS)
-pytest_workers true || exit 2  # a bad CP_ROPE_TEST_WORKERS is refused before any install
+check_test_workers || exit 4  # a bad CP_ROPE_TEST_WORKERS is refused before any install
 RUN_TMP=$(mktemp -d)  # this run's junit files (the venvs' folder is shared by checkouts)
 
 SLICE=(
@@ -97,8 +97,8 @@ for entry in $ENTRIES; do
   fi
   info=$("$py" -c "import torch, triton; print(torch.__version__, 'triton', triton.__version__)" 2>/dev/null || echo "$version")
   xml="$RUN_TMP/junit-$name.xml"
-  pytest_workers "$py" || exit 2
-  CP_ROPE_OTHER_PYTHON="$MAIN_PY" "$py" -m pytest "${XDIST[@]}" -q -p no:cacheprovider \
+  pytest_workers "$py" || exit 4
+  CP_ROPE_OTHER_PYTHON="$MAIN_PY" "$py" -m pytest ${XDIST[@]+"${XDIST[@]}"} -q -p no:cacheprovider \
     --junitxml="$xml" "${SLICE[@]}" -k "$DESELECT"
   rc=$?
   exec 9>&-

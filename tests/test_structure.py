@@ -222,31 +222,44 @@ def test_no_import_hook_in_the_package():
 def test_test_scripts_pass_paths_to_pytest_alone(tmp_path, script):
     """``scripts/test.sh tests/test_x.py -q`` runs that file only: the script adds
     no ``tests`` path of its own (pytest then ran the whole suite plus the file), only the
-    pytest-xdist workers (scripts/pytest_workers.sh: none for CP_ROPE_TEST_WORKERS=1 or
-    arguments that choose their own). The venv's python is a stub that records its
-    arguments (and so "has" xdist), so set-up is a no-op."""
+    pytest-xdist workers (scripts/pytest_workers.sh), and says how many run. The venv's python
+    is a stub that records its arguments (and so "has" xdist), so set-up is a no-op."""
     log = tmp_path / "calls.txt"
     stub = tmp_path / "venv" / "bin" / "python"
     stub.parent.mkdir(parents=True)
     stub.write_text(f'#!/bin/sh\necho "$*" >> "{log}"\n')
     stub.chmod(0o755)
-    for workers, args, xdist in [("3", ["-q"], "-n 3 --dist loadscope "), ("1", ["-q"], ""),
-                                 ("3", ["-q", "-n", "0"], "")]:
-        env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"), CP_ROPE_TEST_WORKERS=workers)
-        rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py", *args],
-                       tmp_path, env)
-        assert rc == 0, out
+    two = ["tests/test_structure.py", "tests/test_rope_cache.py::test_x"]
+    one_process = [  # (CP_ROPE_TEST_WORKERS, args, PYTEST_ADDOPTS, why)
+        ("1", [*two, "-q"], "", "one worker"),
+        ("3", [*two, "-n", "0"], "", "the arguments choose the workers"),
+        ("3", [*two, "-pno:xdist"], "", "the arguments choose the workers"),
+        ("3", two, "-p no:xdist", "the arguments choose the workers"),
+        ("3", [*two, "-vx"], "", "-vx needs one process"),
+        ("3", [*two, "-s"], "", "-s needs one process"),
+        ("3", [*two, "--maxfail=2"], "", "--maxfail=2 needs one process"),
+        ("3", two, "--pdb", "--pdb needs one process"),
+        ("3", ["tests/test_structure.py", "-q"], "", "one test file or id"),
+    ]
+    cases = [("3", [*two, "-q", "-rs"], "", "-n 3 --dist loadscope ",
+              "pytest: 3 pytest-xdist workers")]
+    cases += [(w, a, o, "", f"pytest: one process: {why}") for w, a, o, why in one_process]
+    cores = min(len(os.sched_getaffinity(0)), 4)  # the default: cores, not OMP_NUM_THREADS (1)
+    cases.append(("", two, "", f"-n {cores} --dist loadscope " if cores > 1 else "",
+                  f"pytest: {cores} pytest-xdist" if cores > 1 else "pytest: one process"))
+    for workers, args, addopts, xdist, said in cases:
+        env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"), CP_ROPE_TEST_WORKERS=workers,
+                   PYTEST_ADDOPTS=addopts, OMP_NUM_THREADS="1")
+        rc, out = _run(["bash", os.path.join(REPO, script), *args], tmp_path, env)
+        assert rc == 0 and said in out, (args, addopts, out)
         calls = log.read_text().splitlines()
-        assert calls[-1] == f"-m pytest {xdist}tests/test_structure.py {' '.join(args)}", calls
+        assert calls[-1] == f"-m pytest {xdist}{' '.join(args)}", calls
     n_calls = len(log.read_text().splitlines())
-    for bad in ["0", "two", "-1"]:  # refused with the variable named, before pytest runs
+    for bad in ["0", "two", "-1", "99999999999999999999"]:  # refused before set-up and pytest
         env = dict(os.environ, CP_ROPE_VENV=str(tmp_path / "venv"), CP_ROPE_TEST_WORKERS=bad)
-        rc, out = _run(["bash", os.path.join(REPO, script), "tests/test_structure.py"],
-                       tmp_path, env)
-        assert rc == 2 and f"CP_ROPE_TEST_WORKERS={bad}: expected a whole number" in out, out
-        calls = log.read_text().splitlines()
-        assert not any(c.startswith("-m pytest") for c in calls[n_calls:]), calls
-        n_calls = len(calls)
+        rc, out = _run(["bash", os.path.join(REPO, script), *two], tmp_path, env)
+        assert rc == 4 and f"CP_ROPE_TEST_WORKERS={bad}: expected a whole number" in out, out
+        assert len(log.read_text().splitlines()) == n_calls  # the stub never ran
 
 
 def test_cpu_use_without_triton(tmp_path):
