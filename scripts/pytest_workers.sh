@@ -24,11 +24,10 @@ check_test_workers() {
   fi
 }
 
-pytest_workers() {
+pytest_workers() {  # callers run check_test_workers first
   local py=$1 a n why="" tests=0
   shift
   XDIST=()
-  check_test_workers || return
   # shellcheck disable=SC2086  # PYTEST_ADDOPTS is split into words, as pytest does
   for a in "$@" ${PYTEST_ADDOPTS:-}; do
     case $a in
@@ -40,23 +39,15 @@ pytest_workers() {
     esac
     [ -n "$why" ] && break
   done
-  n=${CP_ROPE_TEST_WORKERS:-}
-  if [ -z "$why" ] && [ -z "$n" ]; then
-    n=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)
-    [ "$n" -gt 4 ] && n=4
-  fi
+  n=${CP_ROPE_TEST_WORKERS:-$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc 2>/dev/null || echo 1)}
+  [ -z "${CP_ROPE_TEST_WORKERS:-}" ] && [ "$n" -gt 4 ] && n=4
+  [ -z "$why" ] && [ "$tests" = 1 ] && why="one test file or id"
+  [ -z "$why" ] && [ "$n" -le 1 ] && why="one worker (CP_ROPE_TEST_WORKERS or cores)"
+  [ -z "$why" ] && ! "$py" -c "import xdist" >/dev/null 2>&1 && why="pytest-xdist is not installed in $py"
   if [ -n "$why" ]; then
-    :
-  elif [ "$tests" = 1 ]; then
-    why="one test file or id"
-  elif [ "$n" -le 1 ]; then
-    why="one worker (CP_ROPE_TEST_WORKERS or cores)"
-  elif ! "$py" -c "import xdist" >/dev/null 2>&1; then
-    why="pytest-xdist is not installed in $py"
+    echo "pytest: one process: $why" >&2
   else
     XDIST=(-n "$n" --dist loadscope)
     echo "pytest: $n pytest-xdist workers (CP_ROPE_TEST_WORKERS=1 for one process)" >&2
-    return 0
   fi
-  echo "pytest: one process: $why" >&2
 }

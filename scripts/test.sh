@@ -11,5 +11,5 @@ check_test_workers || exit 4  # before set-up
 bash scripts/setup.sh
 PY=python3
 [ "${CP_ROPE_VENV:-.venv}" = "none" ] || PY="${CP_ROPE_VENV:-.venv}/bin/python"
-pytest_workers "$PY" "$@" || exit 4
+pytest_workers "$PY" "$@"
 exec "$PY" -m pytest ${XDIST[@]+"${XDIST[@]}"} "$@"
