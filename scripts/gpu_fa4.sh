@@ -14,6 +14,8 @@
 #   window scripts/bench_window.py --simulate-cp 4 --no-full (issue 32: windows, sinks, halo)
 #   hf     scripts/bench_memory.py --only hf at 32,768 and 262,144 tokens (issue 31's finetune_hf
 #          targets; the attention backend auto, so cuDNN + FA4 where FA4 is installed)
+#   profile  scripts/profile_trainer.py at 32,768 (and its trace) and 262,144 tokens (bench_memory's
+#          hf configs), and the model's step alone (scripts/profile_hf_step.py) at 32,768
 #   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)
 #   families  scripts/bench_families.py (issue 33: Gemma-3 and GPT-OSS shapes at 131,072)
 #
@@ -149,6 +151,20 @@ part_hf() {
     --budget-s 380 --out "$LOGS/hf.json" > "$LOGS/hf.log" 2>&1
   local rc=$?
   grep -E "^\|" "$LOGS/hf.log" | tee -a "$SUMMARY"
+  return $rc
+}
+
+part_profile() {
+  local rc=0
+  timeout 150 $PY scripts/profile_trainer.py --tokens 32768 --table 45 --trace "$OUT/trace_32k.json.gz" \
+    > "$LOGS/profile_32k.log" 2>&1 || rc=1
+  grep -E '^\{"tokens"' "$LOGS/profile_32k.log" | tee -a "$SUMMARY"
+  timeout 150 $PY scripts/profile_trainer.py --tokens 262144 --steps 5 --first 3 --record 2 \
+    --flags "--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384" \
+    > "$LOGS/profile_262k.log" 2>&1 || rc=1
+  grep -E '^\{"tokens"' "$LOGS/profile_262k.log" | tee -a "$SUMMARY"
+  timeout 100 $PY scripts/profile_hf_step.py --tokens 32768 --steps 4 2>"$LOGS/hf_step.log" \
+    | tee -a "$SUMMARY" || rc=1
   return $rc
 }
 
