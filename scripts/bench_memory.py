@@ -192,9 +192,13 @@ def _child(group: str, work: str, results: str, deadline: float) -> None:
 
     pretrain.train_step = step
     only = {int(x) for x in os.environ.get("BENCH_MEMORY_TOKENS", "").split(",") if x}
+    top = int(os.environ.get("BENCH_MEMORY_TOP") or len(CONFIGS))
     for g, tokens, flags, steps, why, need_s in CONFIGS:
         if g != group or (only and tokens not in only):
             continue
+        top -= 1
+        if top < 0:
+            break
         left = deadline - time.time()
         steps = int(os.environ.get("BENCH_MEMORY_STEPS") or steps)
         row = {"group": g, "tokens": tokens, "flags": " ".join(flags) or "(defaults)", "why": why}
@@ -280,6 +284,9 @@ def main() -> None:
                         "of the later half")
     p.add_argument("--tokens", default="",
                    help="comma-separated tokens/step: run only the configs of these lengths")
+    p.add_argument("--top", type=int, default=0,
+                   help="only the first N configs of each model (the list is in order of "
+                        "importance; with --only hf --top 2: issue 31's two finetune_hf targets)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
@@ -293,6 +300,8 @@ def main() -> None:
     if wanted - known:
         p.error(f"--tokens: no config of {sorted(wanted - known)} tokens/step"
                 f"{' for --only ' + a.only if a.only else ''}; the configs have {sorted(known)}")
+    if a.top < 0:
+        p.error(f"--top {a.top}: must be >= 1 (0 = every config)")
     if a.steps < 0:
         p.error(f"--steps {a.steps}: must be >= 1 (0 = each config's own)")
     a.tokens = ",".join(map(str, sorted(wanted)))
@@ -317,7 +326,7 @@ def main() -> None:
                "--deadline", str(deadline)]
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
                    PYTHONUNBUFFERED="1", BENCH_MEMORY_TOKENS=a.tokens,
-                   BENCH_MEMORY_STEPS=str(a.steps or ""))
+                   BENCH_MEMORY_STEPS=str(a.steps or ""), BENCH_MEMORY_TOP=str(a.top or ""))
         try:
             subprocess.run(cmd, env=env, timeout=share + 30, check=False)
         except subprocess.TimeoutExpired:

@@ -13,7 +13,8 @@
 #   smoke  bash scripts/gpu_smoke.sh (with its fa4 part)
 #   window scripts/bench_window.py --simulate-cp 4 --no-full (issue 32: windows, sinks, halo)
 #   hf     scripts/bench_memory.py --only hf at 32,768 and 262,144 tokens (issue 31's finetune_hf
-#          targets; the attention backend auto, so cuDNN + FA4 where FA4 is installed)
+#          targets; the attention backend auto, so cuDNN + FA4 where FA4 is installed);
+#          HF_TOP=2: those two configs alone (bench_memory --top 2), not the 262K comparisons
 #   profile  scripts/profile_trainer.py at 32,768 (and its trace) and 262,144 tokens (bench_memory's
 #          hf configs), and the model's step alone (scripts/profile_hf_step.py) at 32,768
 #   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)
@@ -148,7 +149,7 @@ part_window() {
 
 part_hf() {
   timeout 420 $PY scripts/bench_memory.py --only hf --tokens "${HF_TOKENS:-32768,262144}" \
-    --budget-s 380 --out "$LOGS/hf.json" > "$LOGS/hf.log" 2>&1
+    ${HF_TOP:+--top "$HF_TOP"} --budget-s 380 --out "$LOGS/hf.json" > "$LOGS/hf.log" 2>&1
   local rc=$?
   grep -E "^\|" "$LOGS/hf.log" | tee -a "$SUMMARY"
   return $rc
