@@ -372,7 +372,12 @@ def train_loop(tr: Trainer) -> None:
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
     tr.model.train()
-    ahead_plan = None  # the next step's plan, built on the host while the GPU runs this step
+    # One process: the next step's batch and plan are built on the host while the GPU runs
+    # this step; an error there is raised where the old order raised it, at the next step
+    # (after this step's optimizer step, log line and checkpoint). Several ranks keep the old
+    # order: a rank-local data error must not put one rank's collectives out of step.
+    ahead = world == 1
+    ahead_plan = ahead_error = None
     with StopFlag(cfg.train.stop_grace_s) as stop:
         while tr.step < last:
             tr.interrupted = stop.any_rank(device)
@@ -381,6 +386,8 @@ def train_loop(tr: Trainer) -> None:
                 tr.log.write(f"signal {signal.Signals(tr.interrupted).name} at step {tr.step}: stopping")
                 break
             t0 = time.perf_counter()
+            if ahead_error is not None:
+                raise ahead_error
             host_batch = next(tr.batches)  # the one peeked at (and planned) last step, if any
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
             tr.stats.add(host_batch)  # labelled tokens, their bytes, the CP ranks' work
@@ -392,8 +399,11 @@ def train_loop(tr: Trainer) -> None:
                               grad_scale=float(world) if tr.fsdp else 1.0,
                               reduce_group=tr.loss_group, reduce_grads=not tr.fsdp, plan=plan)
             norm = clip_gradients(tr.model, cfg.optim.grad_clip)  # (non-finite: raised below)
-            if tr.step + 1 < last:  # host work the GPU's backward hides
-                ahead_plan = tr.model.attention_plan(tr.batches.peek(), device=device)
+            if ahead and tr.step + 1 < last:  # host work the GPU's backward hides
+                try:
+                    ahead_plan = tr.model.attention_plan(tr.batches.peek(), device=device)
+                except Exception as exc:  # noqa: BLE001 -- raised at the next step
+                    ahead_error = exc
             loss_val, grad_norm = torch.stack([loss.float(), norm.float()]).tolist()  # one host read
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"non-finite loss {loss_val} at step {tr.step + 1}")
