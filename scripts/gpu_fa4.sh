@@ -28,7 +28,7 @@ cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
 OUT=${OUT:-/tmp/cp_rope_fa4}
-LOGS=/tmp/cp_rope_fa4_logs
+LOGS=${LOGS:-/tmp/cp_rope_fa4_logs}  # under $OUT: the logs come back even from a cut-off call
 WHL=${WHL:-.whl}
 FA4B=${FA4B:-.fa4b}
 PY=python3
@@ -193,5 +193,5 @@ for part in "$@"; do
   [ $rc = 0 ] || status=1
   say "== part $part: rc $rc ($(( $(date +%s) - t )) s)"
 done
-tar czf "$OUT/logs.tgz" -C /tmp cp_rope_fa4_logs 2>/dev/null
+case $LOGS in "$OUT"/*) ;; *) tar czf "$OUT/logs.tgz" -C "$(dirname "$LOGS")" "$(basename "$LOGS")" 2>/dev/null ;; esac
 exit $status
