@@ -1,0 +1,74 @@
+"""scripts/profile_trainer.py: the GPU idle time's attribution to host phases (fake events) and
+the script's CPU plumbing (a tiny finetune_hf run under torch.profiler)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+from torch.autograd import DeviceType
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location(
+        "profile_trainer", os.path.join(REPO, "scripts", "profile_trainer.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class _Event:
+    def __init__(self, name, start_ms, end_ms, gpu=False):
+        self._name, self._s, self._d = name, int(start_ms * 1e6), int((end_ms - start_ms) * 1e6)
+        self._dev = DeviceType.CUDA if gpu else DeviceType.CPU
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._s
+
+    def duration_ns(self):
+        return self._d
+
+    def device_type(self):
+        return self._dev
+
+
+def test_idle_time_goes_to_the_innermost_host_phase():
+    """Two 10 ms steps: the GPU runs 2-6 and 7-9 of each; its idle 0-2 falls in train_step
+    (the forward), 6-7 in the backward nested in it, 9-10 in the plan; the host read's sync
+    is counted where it ran."""
+    ev = []
+    for t in (0, 10):
+        ev += [_Event("phase:train_step", t, t + 8), _Event("phase:backward", t + 5, t + 8),
+               _Event("phase:plan", t + 8.5, t + 10), _Event("k", t + 2, t + 6, gpu=True),
+               _Event("k", t + 7, t + 9, gpu=True),
+               _Event("cudaStreamSynchronize", t + 9.2, t + 9.4)]
+    ev.append(_Event("phase:train_step", 20, 20))  # the window's closing mark
+    got = _script().analyse(ev, 2)
+    assert got["wall_ms"] == 10 and got["gpu_busy_ms"] == 6 and got["gpu_idle_ms"] == 4
+    assert got["gpu_idle_ms_by_host_phase"] == {"forward (train_step outside backward)": 2.0,
+                                                 "backward": 1.0, "plan": 1.0}
+    assert got["syncs_per_step"] == {"cudaStreamSynchronize in plan": {"count": 1, "ms": 0.2}}
+    with pytest.raises(RuntimeError, match="recorded 2 train_step calls, need 3"):
+        _script().analyse(ev[:-1][:6] + ev[6:12], 2)
+
+
+def test_tiny_run_reports_every_phase(tmp_path, monkeypatch):
+    """--tiny (bench_memory's smoke shapes, CPU): one JSON result whose host phases include the
+    loop's own marks, and the option checks."""
+    pytest.importorskip("transformers")
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    mod = _script()
+    out = mod.main(["--tiny", "--tokens", "2048", "--steps", "3", "--first", "2", "--record", "1"])
+    assert out["device"] == "cpu" and out["wall_ms"] > 0 and out["gpu_busy_ms"] == 0
+    phases = set(out["gpu_idle_ms_by_host_phase"])
+    assert {"backward", "forward (train_step outside backward)", "plan", "next_batch",
+            "clip_gradients", "log_step", "Optimizer.step"} <= phases, phases
+    with pytest.raises(SystemExit):
+        mod.main(["--tiny", "--steps", "3", "--first", "3", "--record", "1"])
