@@ -31,12 +31,13 @@ import json
 import os
 import shlex
 import shutil
-import sys
 import tempfile
 from collections import defaultdict
 from contextlib import contextmanager
 from itertools import pairwise
 
+# the CUDA runtime calls that block the host (cudaMemcpyAsync does not: an .item() is one plus
+# a cudaStreamSynchronize)
 SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 
 
@@ -83,13 +84,18 @@ def _marked_loop():
             setattr(owner, name, fn)
 
 
+def _phase_at(phases: list[tuple[int, int, str]], lo: int, hi: int) -> str:
+    """The innermost phase running over all of [lo, hi]: the latest-started, then shortest."""
+    return max(((s, -e, n) for s, e, n in phases if s <= lo and e >= hi),
+               default=(0, 0, "other"))[2]
+
+
 def _innermost(phases: list[tuple[int, int, str]], a: int, b: int) -> dict[str, int]:
-    """ns of [a, b) in each innermost phase (the latest-started, then shortest, one running)."""
+    """ns of [a, b) in each innermost phase."""
     cuts = sorted({a, b, *(x for s, e, _ in phases for x in (s, e) if a < x < b)})
     out: dict[str, int] = defaultdict(int)
     for lo, hi in pairwise(cuts):
-        live = [(s, -e, n) for s, e, n in phases if s <= lo and e >= hi]
-        out[max(live)[2] if live else "other"] += hi - lo
+        out[_phase_at(phases, lo, hi)] += hi - lo
     return out
 
 
@@ -111,7 +117,7 @@ def analyse(events, n_steps: int) -> dict:
             phases.append((s, s + d, name.split("#")[0]))
         elif name == "aten::_local_scalar_dense":
             phases.append((s, s + d, "host read of a device value (.item, float, tolist)"))
-        elif name.startswith(SYNCS):
+        elif name in SYNCS:
             syncs.append((s, s + d, name))
     steps.sort()
     if len(steps) < n_steps + 1:
@@ -120,22 +126,19 @@ def analyse(events, n_steps: int) -> dict:
     phases.append((t0, t1, "the loop's own code"))
     busy, idle = 0, defaultdict(int)
     cursor = t0
-    for s, e in sorted((max(s, t0), min(e, t1)) for s, e in gpu if e > t0 and s < t1):
+    kept = sorted((max(s, t0), min(e, t1)) for s, e in gpu if e > t0 and s < t1)
+    for s, e in [*kept, (t1, t1)]:  # the last one closes the window
         if s > cursor:
             for k, v in _innermost(phases, cursor, s).items():
                 idle[k] += v
         busy += max(0, e - max(s, cursor))
         cursor = max(cursor, e)
-    if cursor < t1:
-        for k, v in _innermost(phases, cursor, t1).items():
-            idle[k] += v
     by_phase: dict[str, list] = defaultdict(lambda: [0, 0])
     for s, e, name in syncs:
         if t0 <= s < t1:
-            where = max(((ps, -pe, n) for ps, pe, n in phases if ps <= s < pe),
-                        default=(0, 0, "other"))[2]
-            by_phase[f"{name} in {where}"][0] += 1
-            by_phase[f"{name} in {where}"][1] += e - s
+            key = f"{name} in {_phase_at(phases, s, s)}"
+            by_phase[key][0] += 1
+            by_phase[key][1] += e - s
     ms = 1e-6 / n_steps
     return {"wall_ms": round((t1 - t0) * ms, 2), "gpu_busy_ms": round(busy * ms, 2),
             "gpu_idle_ms": round((t1 - t0 - busy) * ms, 2),
@@ -218,4 +221,4 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    main()

@@ -153,12 +153,6 @@ def assert_same_run(got: dict, want: dict, what: str, steps=None, rtol: float = 
 
 def example(argv: list[str]) -> dict:
     """Run scripts/sft_trl_example.py's main(argv) in this process; returns its report."""
-    import importlib.util
-    import os
+    from utils import script_module
 
-    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
-                        "sft_trl_example.py")
-    spec = importlib.util.spec_from_file_location("sft_trl_example", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.main(argv)
+    return script_module("sft_trl_example").main(argv)

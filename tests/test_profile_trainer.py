@@ -3,21 +3,13 @@ the script's CPU plumbing (a tiny finetune_hf run under torch.profiler)."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-
 import pytest
 from torch.autograd import DeviceType
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from utils import script_module
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location(
-        "profile_trainer", os.path.join(REPO, "scripts", "profile_trainer.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return script_module("profile_trainer")
 
 
 class _Event:
@@ -55,7 +47,7 @@ def test_idle_time_goes_to_the_innermost_host_phase():
                                                  "backward": 1.0, "plan": 1.0}
     assert got["syncs_per_step"] == {"cudaStreamSynchronize in plan": {"count": 1, "ms": 0.2}}
     with pytest.raises(RuntimeError, match="recorded 2 train_step calls, need 3"):
-        _script().analyse(ev[:-1][:6] + ev[6:12], 2)
+        _script().analyse(ev[:-1], 2)
 
 
 def test_tiny_run_reports_every_phase(tmp_path, monkeypatch):

@@ -3,6 +3,8 @@ prints the worst mismatches (index, got, expected) instead of a bare bool."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 # (atol, rtol) for outputs *stored* in this dtype and compared with a float64
@@ -71,3 +73,15 @@ def tiny_pretrain_argv(*, seq_len: int = 128, tokens_per_batch: int = 512,
             "--tokens-per-batch", str(tokens_per_batch), "--max-docs", str(max_docs),
             "--warmup-steps", "2", "--log-every", "1", "--no-progress", "--no-tensorboard",
             "--tokenizer", "bytes", "--eval-docs", "0"]  # BPE and held-out eval: test_results.py
+
+
+def script_module(name: str):
+    """``scripts/<name>.py`` imported as a module (the scripts folder is not a package)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "scripts",
+                        f"{name}.py")
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
