@@ -482,6 +482,8 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
         dcp.load(state, checkpoint_id=path)
         dcp_load_partial(sched, path)  # its keys differ between torch versions
         dcp.load(own, checkpoint_id=path)
+        for group in state["optim"]["param_groups"]:  # how to step is this run's choice
+            group.update({k: optimizer.defaults.get(k) for k in ("foreach", "fused")})
         set_state_dict(model, optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
     except DCP_ERRORS as exc:

@@ -96,9 +96,10 @@ class Throughput:
     def window(self) -> dict[str, float]:
         """The job's ``tokens_per_s``, ``tokens_per_s_per_gpu`` (and ``mfu`` when the peak is
         known) since the previous call (or construction); all ranks must call it together."""
-        sums = self._window.to(self.device)
-        if self.world > 1:
-            dist.all_reduce(sums)  # global tokens and attention work since the last log
+        sums = self._window
+        if self.world > 1:  # global tokens and attention work since the last log
+            sums = self._window.to(self.device)
+            dist.all_reduce(sums)
         tokens, sq = sums.tolist()
         dt = time.perf_counter() - self._t_window
         tps = tokens / dt

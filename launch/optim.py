@@ -14,12 +14,18 @@ __all__ = ["build_optimizer", "lr_lambda", "all_reduce_gradients", "clip_gradien
 
 
 def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
-    """AdamW; decoupled weight decay on the matrices only (no decay for norms and embeddings)."""
+    """AdamW; decoupled weight decay on the matrices only (no decay for norms and embeddings).
+
+    On CUDA parameters it is PyTorch's fused AdamW (one kernel per parameter chunk, as
+    torchtitan's default; the same update as the ``foreach`` one elsewhere, to float32 rounding).
+    """
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and "tok_embeddings" not in n]
     no_decay = [p for n, p in model.named_parameters() if not (p.dim() >= 2 and "tok_embeddings" not in n)]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},
               {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    fused = all(p.is_cuda for p in model.parameters()) or None  # None: torch's default (foreach)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             fused=fused)
 
 
 def lr_lambda(cfg: OptimConfig, total_steps: int) -> Callable[[int], float]:

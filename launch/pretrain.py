@@ -127,7 +127,12 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
 
 
 class _Batches:
-    """The loader as an endless stream over epochs, counting batches consumed for resume."""
+    """The loader as an endless stream over epochs, counting batches consumed for resume.
+
+    :meth:`peek` fetches the next batch ahead of its step (the loop builds its plan while the
+    GPU still runs the step before); it counts as consumed only when ``next`` takes it, so a
+    checkpoint in between resumes at that batch.
+    """
 
     def __init__(self, loader, sampler):
         if len(sampler) == 0:
@@ -136,6 +141,7 @@ class _Batches:
         self.loader, self.sampler = loader, sampler
         self.consumed = 0
         self._it = None
+        self._ahead = None
 
     def state_dict(self) -> dict:
         return self.sampler.state_dict(batches_consumed=self.consumed)
@@ -143,18 +149,26 @@ class _Batches:
     def load_state_dict(self, state: dict) -> None:
         self.sampler.load_state_dict(state)
         self.consumed = int(state["batches_consumed"])
-        self._it = None
+        self._it = self._ahead = None
+
+    def peek(self):
+        """The next batch, not yet consumed (fetched once: the next ``next`` returns it). Past
+        an epoch's end the sampler is already in the next epoch with 0 consumed: the state of
+        a resume at this batch."""
+        if self._ahead is None:
+            if self._it is None:
+                self._it = iter(self.loader)
+            try:
+                self._ahead = next(self._it)
+            except StopIteration:
+                self.sampler.set_epoch(self.sampler.epoch + 1)
+                self.consumed = 0
+                self._it = iter(self.loader)
+                self._ahead = next(self._it)
+        return self._ahead
 
     def __next__(self):
-        if self._it is None:
-            self._it = iter(self.loader)
-        try:
-            batch = next(self._it)
-        except StopIteration:
-            self.sampler.set_epoch(self.sampler.epoch + 1)
-            self.consumed = 0
-            self._it = iter(self.loader)
-            batch = next(self._it)
+        batch, self._ahead = self.peek(), None
         self.consumed += 1
         return batch
 
@@ -358,6 +372,12 @@ def train_loop(tr: Trainer) -> None:
     last = cfg.train.steps if cfg.train.stop_at_step is None else min(cfg.train.steps,
                                                                        cfg.train.stop_at_step)
     tr.model.train()
+    # One process: the next step's batch and plan are built on the host while the GPU runs
+    # this step; an error there is raised where the old order raised it, at the next step
+    # (after this step's optimizer step, log line and checkpoint). Several ranks keep the old
+    # order: a rank-local data error must not put one rank's collectives out of step.
+    ahead = world == 1
+    ahead_plan = ahead_error = None
     with StopFlag(cfg.train.stop_grace_s) as stop:
         while tr.step < last:
             tr.interrupted = stop.any_rank(device)
@@ -366,18 +386,27 @@ def train_loop(tr: Trainer) -> None:
                 tr.log.write(f"signal {signal.Signals(tr.interrupted).name} at step {tr.step}: stopping")
                 break
             t0 = time.perf_counter()
-            host_batch = next(tr.batches)
+            if ahead_error is not None:
+                raise ahead_error
+            host_batch = next(tr.batches)  # the one peeked at (and planned) last step, if any
             seq_lens = host_batch.seq_lens.double()  # read on the host: no device sync
             tr.stats.add(host_batch)  # labelled tokens, their bytes, the CP ranks' work
             tr.optimizer.zero_grad(set_to_none=True)
-            plan = tr.model.attention_plan(host_batch, device=device)  # carries the auto choice
+            plan, ahead_plan = ahead_plan, None  # carries the auto choice
+            if plan is None:
+                plan = tr.model.attention_plan(host_batch, device=device)
             loss = train_step(tr.model, host_batch, tr.loss_group, device=device,
                               grad_scale=float(world) if tr.fsdp else 1.0,
                               reduce_group=tr.loss_group, reduce_grads=not tr.fsdp, plan=plan)
-            loss_val = float(loss)
+            norm = clip_gradients(tr.model, cfg.optim.grad_clip)  # (non-finite: raised below)
+            if ahead and tr.step + 1 < last:  # host work the GPU's backward hides
+                try:
+                    ahead_plan = tr.model.attention_plan(tr.batches.peek(), device=device)
+                except Exception as exc:  # noqa: BLE001 -- raised at the next step
+                    ahead_error = exc
+            loss_val, grad_norm = torch.stack([loss.float(), norm.float()]).tolist()  # one host read
             if not math.isfinite(loss_val):
                 raise FloatingPointError(f"non-finite loss {loss_val} at step {tr.step + 1}")
-            grad_norm = float(clip_gradients(tr.model, cfg.optim.grad_clip))
             if not math.isfinite(grad_norm):
                 raise FloatingPointError(f"non-finite gradient norm {grad_norm} at step {tr.step + 1}")
             lr = tr.scheduler.get_last_lr()[0]

@@ -77,7 +77,10 @@ class StopFlag:
             os.close(w)
 
     def any_rank(self, device: torch.device) -> int:
+        """The signal number any rank caught (0: none); a collective when the world has more
+        than one rank, a host read alone (no device sync) when it has one."""
+        if dist.get_world_size() == 1:
+            return self.signum
         flag = torch.tensor([self.signum], device=device)
-        if dist.get_world_size() > 1:
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return int(flag.item())

@@ -238,3 +238,33 @@ def test_tokenizer_bpe_outside_pretrain_says_why():
     from cp_rope.launch.data import load_tokenizer
     with pytest.raises(ConfigError, match=r"--tokenizer bpe.*pretrain only.*finetune_hf needs"):
         load_tokenizer(DataConfig(tokenizer="bpe"))
+
+
+def test_peeked_batch_is_not_consumed_and_resume_returns_it():
+    """The trainer peeks at the next batch (to plan it while the GPU runs the step before): a
+    state saved between the peek and the step resumes at the peeked batch, also when the peek
+    crossed an epoch's end; the stream is the same with and without peeking."""
+    from cp_rope.launch.pretrain import _Batches
+
+    cfg = DataConfig(max_docs=12, seq_len=128, tokens_per_batch=256)
+    ds = TokenDataset(load_corpus(cfg), "docs", cfg.seq_len)
+
+    def batches():
+        loader, sampler = build_loader(cfg, ds, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, seed=3)
+        return _Batches(loader, sampler)
+
+    n = len(batches().sampler)
+    assert n >= 2
+    plain, ref = batches(), []
+    for _ in range(2 * n + 1):
+        ref.append(next(plain).input_ids)
+    b = batches()
+    for i in range(2 * n):  # every position, the epoch's last batch included
+        assert torch.equal(next(b).input_ids, ref[i])
+        peeked = b.peek()
+        assert b.peek() is peeked  # fetched once
+        state = b.state_dict()
+        resumed = batches()
+        resumed.load_state_dict(state)
+        assert torch.equal(next(resumed).input_ids, ref[i + 1]), i
+        assert torch.equal(peeked.input_ids, ref[i + 1]), i

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -608,3 +609,55 @@ def test_torchrun_a_refusal_on_one_rank_is_printed_and_every_rank_stops_at_once(
     assert "DistStoreError" not in out and not (tmp_path / "run").exists(), out
     assert sum(line.startswith("error:") for line in out.splitlines()) == (
         1 if len(extra) == 2 else 2), out  # rank 1's reason, then "rank 1 did not start"
+
+
+def test_an_error_building_the_next_batch_ends_the_run_after_this_step(tmp_path, monkeypatch):
+    """One process builds step k+1's batch and plan while step k runs; a failure there (a
+    collate error, a dead loader worker) is raised at step k+1, as before that lookahead:
+    step k's optimizer step, metrics line and checkpoint all happen first."""
+    from cp_rope.launch import data as data_mod
+
+    inner, calls = data_mod.PackingCollator.__call__, [0]
+
+    def collate(self, *args, **kwargs):
+        calls[0] += 1
+        if calls[0] == 3:
+            raise RuntimeError("batch 3 cannot be built")
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(data_mod.PackingCollator, "__call__", collate)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="batch 3 cannot be built"):
+        main(tiny_pretrain_argv() + ["--steps", "6", "--checkpoint-every", "2",
+                                     "--num-workers", "0", "--out-dir", str(out)])
+    assert sorted(os.listdir(out / "checkpoints")) == ["step_00000002"]
+    steps = [json.loads(line)["step"] for line in open(out / "metrics.jsonl")]
+    assert steps == [1, 2]
+
+
+@pytest.mark.parametrize("saved_fused", [None, True])
+def test_resume_keeps_this_runs_adamw_implementation(tmp_path, monkeypatch, saved_fused):
+    """The optimizer state of a checkpoint carries the saved run's ``fused`` / ``foreach``
+    flags; a resume keeps the ones build_optimizer chose for this run (fused AdamW on CUDA
+    parameters, foreach elsewhere): a checkpoint written before fused AdamW, or on CPU,
+    must not turn it off. CPU fused AdamW stands in for the CUDA one."""
+    built = []
+
+    def build(model, cfg, fused):
+        from cp_rope.launch.optim import build_optimizer
+
+        opt = build_optimizer(model, cfg)
+        for group in opt.param_groups:
+            group["fused"], group["foreach"] = fused, None
+        opt.defaults.update(fused=fused, foreach=None)
+        built.append(opt)
+        return opt
+
+    argv = tiny_pretrain_argv() + ["--out-dir", str(tmp_path / "run")]
+    monkeypatch.setattr(pretrain, "build_optimizer", lambda m, c: build(m, c, saved_fused))
+    main(argv + ["--steps", "2"])
+    resumed = None if saved_fused else True
+    monkeypatch.setattr(pretrain, "build_optimizer", lambda m, c: build(m, c, resumed))
+    summary = main(argv + ["--steps", "4", "--resume"])
+    assert summary["steps_run"] == 2 and all(map(math.isfinite, summary["losses"].values()))
+    assert [g["fused"] for g in built[-1].param_groups] == [resumed] * len(built[-1].param_groups)
