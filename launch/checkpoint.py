@@ -447,11 +447,9 @@ def load_checkpoint(path: str, model: torch.nn.Module, optimizer: torch.optim.Op
     """Collective: restore model, optimizer, scheduler and RNG states in place.
 
     Args:
-        sampler_state: this rank's current sampler state (the template of what
-            is read back).
-        verify: check every file against the manifest first
-            (:func:`verify_checkpoint`); ``False`` only right after
-            :func:`resume_checkpoint` has done so.
+        sampler_state: this rank's current sampler state (the template of what is read back).
+        verify: check every file against the manifest first (:func:`verify_checkpoint`);
+            ``False`` only right after :func:`resume_checkpoint` has done so.
         run: this run's :func:`~cp_rope.launch.run_identity.run_identity`, compared with the one the
             checkpoint recorded before anything is read (:func:`check_run`).
 

@@ -49,6 +49,7 @@ import cp_rope
 from cp_rope.parallel.loss import auto_chunk_size, loss_impl
 from cp_rope.parallel.mesh import ParallelDims
 
+from .batches import BatchStream
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
@@ -126,53 +127,6 @@ def train_step(model: Transformer, batch, loss_group: dist.ProcessGroup | None, 
     return loss.detach()
 
 
-class _Batches:
-    """The loader as an endless stream over epochs, counting batches consumed for resume.
-
-    :meth:`peek` fetches the next batch ahead of its step (the loop builds its plan while the
-    GPU still runs the step before); it counts as consumed only when ``next`` takes it, so a
-    checkpoint in between resumes at that batch.
-    """
-
-    def __init__(self, loader, sampler):
-        if len(sampler) == 0:
-            raise ConfigError("data.tokens_per_batch: the corpus gives no batch to some "
-                              "data-parallel rank; use more data or fewer ranks")
-        self.loader, self.sampler = loader, sampler
-        self.consumed = 0
-        self._it = None
-        self._ahead = None
-
-    def state_dict(self) -> dict:
-        return self.sampler.state_dict(batches_consumed=self.consumed)
-
-    def load_state_dict(self, state: dict) -> None:
-        self.sampler.load_state_dict(state)
-        self.consumed = int(state["batches_consumed"])
-        self._it = self._ahead = None
-
-    def peek(self):
-        """The next batch, not yet consumed (fetched once: the next ``next`` returns it). Past
-        an epoch's end the sampler is already in the next epoch with 0 consumed: the state of
-        a resume at this batch."""
-        if self._ahead is None:
-            if self._it is None:
-                self._it = iter(self.loader)
-            try:
-                self._ahead = next(self._it)
-            except StopIteration:
-                self.sampler.set_epoch(self.sampler.epoch + 1)
-                self.consumed = 0
-                self._it = iter(self.loader)
-                self._ahead = next(self._it)
-        return self._ahead
-
-    def __next__(self):
-        batch, self._ahead = self.peek(), None
-        self.consumed += 1
-        return batch
-
-
 def setup_distributed(cfg: PretrainConfig, store: dist.Store | None = None) -> tuple[bool, torch.device]:
     """Initialise the process group (unless the caller did) and pick this rank's device.
 
@@ -233,7 +187,7 @@ class Trainer:
     """All dp x cp ranks: the loss averages and the gradients sum over them."""
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    batches: _Batches
+    batches: BatchStream
     log: MetricsLogger
     throughput: Throughput
     step: int
@@ -301,7 +255,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
     loader, sampler = build_loader(cfg.data, dataset, cp_size=dims.cp, cp_rank=cp_rank,
                                    dp_size=dims.dp, dp_rank=dp_rank, seed=cfg.train.seed,
                                    pin_memory=device.type == "cuda", **placement)
-    batches = _Batches(loader, sampler)
+    batches = BatchStream(loader, sampler)
 
     model = (build or build_model)(cfg, device)
     n_params = count_params(model)

@@ -69,7 +69,8 @@ def _marked_loop():
 
     from cp_rope.launch import hf_model, pretrain, stop_flag
 
-    marked = [(pretrain._Batches, "__next__", "next_batch"), (pretrain._Batches, "peek", "next_batch"),
+    marked = [(pretrain.BatchStream, "__next__", "next_batch"),
+              (pretrain.BatchStream, "peek", "next_batch"),
               (hf_model.HFCausalLM, "attention_plan", "plan"),
               (pretrain, "clip_gradients", "clip_gradients"), (pretrain, "log_step", "log_step"),
               (pretrain, "log_auto_choice", "log_auto_choice"),

@@ -244,14 +244,14 @@ def test_peeked_batch_is_not_consumed_and_resume_returns_it():
     """The trainer peeks at the next batch (to plan it while the GPU runs the step before): a
     state saved between the peek and the step resumes at the peeked batch, also when the peek
     crossed an epoch's end; the stream is the same with and without peeking."""
-    from cp_rope.launch.pretrain import _Batches
+    from cp_rope.launch.batches import BatchStream
 
     cfg = DataConfig(max_docs=12, seq_len=128, tokens_per_batch=256)
     ds = TokenDataset(load_corpus(cfg), "docs", cfg.seq_len)
 
     def batches():
         loader, sampler = build_loader(cfg, ds, cp_size=1, cp_rank=0, dp_size=1, dp_rank=0, seed=3)
-        return _Batches(loader, sampler)
+        return BatchStream(loader, sampler)
 
     n = len(batches().sampler)
     assert n >= 2
