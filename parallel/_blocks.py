@@ -452,7 +452,10 @@ def get_backend(backend: str, q: torch.Tensor, n_seqs: int, windowed: bool = Fal
       query rows are at least the crossover length ``c(head_dim)`` of ``calibration`` (the
       plan's, ``plan.calibration``; :meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`:
       the measured table of ``python -m cp_rope.parallel.calibrate``, None: the shipped H200
-      one), cuDNN below it
+      one), cuDNN below it, unless a block's shorter segments hold fewer than
+      :data:`~cp_rope.parallel._fa4.SPLIT_MIN_ROWS` (8,192) query rows in all: those stay on
+      FA4 (cuDNN would save less than its second call costs: launches, copies, host time and
+      a graph build per new shape)
       (:class:`~cp_rope.parallel._fa4.CudnnFa4`; a block whose segments all fall on one side
       runs as that backend alone). FA4 is faster on long documents (its TFLOP/s at head_dim
       64: 530 against cuDNN's 432), cuDNN on short ones (512 x 256 tokens: FA4 1.3x slower).

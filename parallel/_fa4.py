@@ -28,7 +28,9 @@ No call reads a device tensor on the host.
 ``auto`` on a GPU where both run (:class:`CudnnFa4`): each *segment* of a block goes to
 FA4 when its query rows are at least the crossover length of the head dim
 (:meth:`~cp_rope.parallel._calibration.Calibration.crossover_at`, measured by ``python -m
-cp_rope.parallel.calibrate``), else to cuDNN. A block with both kinds runs as two sub-blocks
+cp_rope.parallel.calibrate``), else to cuDNN, unless the block's shorter segments hold fewer
+than :data:`SPLIT_MIN_ROWS` query rows in all: then they stay on FA4 too (what cuDNN saves on
+so few rows is less than a second call costs). A block with both kinds runs as two sub-blocks
 over the same q/k/v (:func:`split_block`, on the host once per block): FA4's sees the short
 segments as a query segment without keys plus a key segment without queries (skipped), and
 cuDNN's sees the long ones so; FA4's output is the block's, the rows of cuDNN's segments are
@@ -45,12 +47,22 @@ from . import _compat
 from ._cudnn_thd import CudnnTHD, seq_bound
 from ._device import to_device
 
-__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "fa4_window", "MIN_BUCKET"]
+__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "fa4_window", "MIN_BUCKET",
+           "SPLIT_MIN_ROWS"]
 
 NEG_INF = float("-inf")
 MIN_BUCKET = 256
 """Smallest max_seqlen passed to FA4: above its largest tile (128 rows on SM90), so the
 backward's single-tile specialisation never changes with the batch."""
+SPLIT_MIN_ROWS = 8192
+"""Fewest query rows of a block's short segments (below the crossover) that ``auto`` sends to
+cuDNN; fewer stay on FA4. On them cuDNN saves at most ~12 us of GPU time per 1,024 rows and
+layer (forward + backward, head_dim 128: 512 x 256 tokens took 9.5 ms on cuDNN and 11.2 ms on
+FA4 on an H100, docs/benchmarks.md), so ~0.1 ms at 8,192 rows; a second call costs its
+launches and row copies, ~13 ms of host time per layer in cuDNN's frontend (4 ms forward,
+9 ms backward, measured on an H200 in round 4) and, for each new call shape, a cuDNN graph
+build of 0.07-0.19 s. Replaying bench_memory's 32,768-token finetune_hf batches through
+the split (40 steps), the cuDNN call shapes fell from 13 (5 new in steps 21-40) to 5 (1)."""
 
 
 def fa4_window(window) -> tuple[int | None, int | None]:
@@ -169,13 +181,14 @@ def _sub_block(blk, cq, ck, keep):
                                cu_q_host=cu_q, cu_k_host=cu_k)
 
 
-def split_block(blk, crossover: int) -> SplitBlock:
+def split_block(blk, crossover: int, min_rows: int = SPLIT_MIN_ROWS) -> SplitBlock:
     """The block's segments by the rule of ``auto`` (the module docstring): a segment with
-    queries and keys runs on FA4 when its query rows are ``>= crossover``, else on cuDNN;
-    segments without queries or keys go with FA4 (its kernels leave them (0, -inf) / dK = 0).
-    Host work on the block's host bounds (read from the device only when it has none),
-    kept on the block per crossover and device."""
-    key = ("fa4_split", crossover, str(blk.cu_q.device))
+    queries and keys runs on FA4 when its query rows are ``>= crossover``, else on cuDNN,
+    unless those shorter segments hold fewer than ``min_rows`` query rows in all (then all
+    on FA4); segments without queries or keys go with FA4 (its kernels leave them (0, -inf) /
+    dK = 0). Host work on the block's host bounds (read from the device only when it has
+    none), kept on the block per rule and device."""
+    key = ("fa4_split", crossover, min_rows, str(blk.cu_q.device))
     got = blk.backend_cache.get(key)
     if got is not None:
         return got
@@ -184,7 +197,7 @@ def split_block(blk, crossover: int) -> SplitBlock:
     lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     real = (lq > 0) & (lk > 0)
     short = real & (lq < crossover)
-    if not bool(short.any()):
+    if int(lq[short].sum()) < max(min_rows, 1):
         got = SplitBlock(blk, None)
     elif bool((short == real).all()):
         got = SplitBlock(None, blk)
@@ -198,20 +211,21 @@ def split_block(blk, crossover: int) -> SplitBlock:
 
 
 class CudnnFa4(CudnnTHD):
-    """``auto`` with both kernels: each segment on FA4 or cuDNN by ``crossover`` (query rows;
-    :func:`split_block`). A block whose segments all go one way runs as that backend alone
-    (cuDNN's own length grouping and dense calls included)."""
+    """``auto`` with both kernels: each segment on FA4 or cuDNN by ``crossover`` (query rows)
+    and ``min_rows`` (:func:`split_block`). A block whose segments all go one way runs as that
+    backend alone (cuDNN's own length grouping and dense calls included)."""
 
     name = "cudnn+fa4"
 
-    def __init__(self, crossover: int):
-        self.crossover = int(crossover)
+    def __init__(self, crossover: int, min_rows: int = SPLIT_MIN_ROWS):
+        self.crossover, self.min_rows = int(crossover), int(min_rows)
         self._fa4 = Fa4()
 
     def sinks_in_kernel(self, blk) -> bool:
         """A plan's one block takes its sinks in FA4's kernel when all its segments go to FA4
         (:meth:`Fa4.sinks_in_kernel`); cuDNN's SDPA has no sink."""
-        return split_block(blk, self.crossover).cudnn is None and self._fa4.sinks_in_kernel(blk)
+        return (split_block(blk, self.crossover, self.min_rows).cudnn is None
+                and self._fa4.sinks_in_kernel(blk))
 
     def backward_with_sinks(self, dout, q, k, v, out, lse, blk, scale: float, aux, sinks):
         """:meth:`Fa4.backward_with_sinks` (a block :meth:`sinks_in_kernel` accepted)."""
@@ -219,7 +233,7 @@ class CudnnFa4(CudnnTHD):
         return self._fa4.backward_with_sinks(dout, q, k, v, out, flat, blk, scale, aux, sinks)
 
     def forward(self, q, k, v, blk, scale: float, sinks=None):
-        sp = split_block(blk, self.crossover)
+        sp = split_block(blk, self.crossover, self.min_rows)
         if sp.cudnn is None:
             return self._fa4.forward(q, k, v, blk, scale, sinks=sinks)
         if sinks is not None:
@@ -234,7 +248,7 @@ class CudnnFa4(CudnnTHD):
         return [(0, out, lse)], None
 
     def backward(self, dout, q, k, v, out, lse, blk, scale: float, aux):
-        sp = split_block(blk, self.crossover)
+        sp = split_block(blk, self.crossover, self.min_rows)
         padded = lse if hasattr(lse, "flat") else CudnnTHD.prepare_lse(lse)
         if sp.fa4 is None:
             return super().backward(dout, q, k, v, out, padded, blk, scale, aux)

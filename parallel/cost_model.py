@@ -202,8 +202,10 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
             ``"fa4"``, ``"torch_flash"``, ...; a table the calibration lacks uses ``"cudnn"``'s;
             a name outside :data:`~cp_rope.parallel.choices.BACKEND_CHOICES` is refused); ``"auto"``:
             per segment ``"fa4"``'s from the crossover of ``head_dim`` up, ``"cudnn"``'s below
-            (``get_backend``'s rule; cuDNN's alone when FA4 is not importable or the
-            calibration has no ``fa4`` table), one more call when a block uses both.
+            unless a block's shorter segments hold fewer than ``SPLIT_MIN_ROWS`` query rows
+            (then ``"fa4"``'s for all; ``get_backend``'s rule; cuDNN's alone when FA4 is not
+            importable or the calibration has no ``fa4`` table), one more call when a block
+            uses both.
         calibration: constants (default :func:`~cp_rope.parallel.calibrate.default_calibration`).
         per_rank: also return the list of every rank's ms.
         window: the layer's left window ``W`` (:mod:`cp_rope.parallel._window`'s convention:

@@ -39,7 +39,14 @@ from cp_rope.parallel import (
     cost_model,
 )
 from cp_rope.parallel._cudnn_thd import CudnnTHD
-from cp_rope.parallel._fa4 import MIN_BUCKET, CudnnFa4, Fa4, bucket, split_block
+from cp_rope.parallel._fa4 import (
+    MIN_BUCKET,
+    SPLIT_MIN_ROWS,
+    CudnnFa4,
+    Fa4,
+    bucket,
+    split_block,
+)
 
 CUDNN_CALLS = []
 
@@ -60,7 +67,8 @@ def _cudnn_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, *rest):
 @pytest.fixture
 def fakes(monkeypatch):
     """Backends on the CPU over the fake kernels: ``fakes["auto"] = crossover`` selects
-    CudnnFa4(crossover) for backend "auto"; "fa4" and "cudnn" are the real glue."""
+    CudnnFa4(crossover, fakes["min_rows"]) for backend "auto" (min_rows 0: every short
+    segment on cuDNN, so that small layouts split); "fa4" and "cudnn" are the real glue."""
     from cp_rope.parallel import attention as att
 
     monkeypatch.setattr(_compat, "fa4_varlen_fwd", fake_fa4_fwd)
@@ -69,9 +77,10 @@ def fakes(monkeypatch):
     monkeypatch.setattr(_compat, "cudnn_thd_bwd", _cudnn_bwd)
     monkeypatch.setattr(_compat, "cudnn_dense_fwd", fake_cudnn_dense_fwd)
     monkeypatch.setattr(_compat, "cudnn_dense_bwd", fake_cudnn_dense_bwd)
-    state = {"auto": 64}
+    state = {"auto": 64, "min_rows": 0}
     real = _blocks.get_backend
-    made = {"fa4": Fa4, "cudnn": CudnnTHD, "auto": lambda: CudnnFa4(state["auto"])}
+    made = {"fa4": Fa4, "cudnn": CudnnTHD,
+            "auto": lambda: CudnnFa4(state["auto"], state["min_rows"])}
     monkeypatch.setattr(att, "get_backend",
                         lambda name, q, n, **kw: made[name]() if name in made else real(name, q, n,
                                                                                         **kw))
@@ -182,8 +191,8 @@ def test_split_block_partitions_segments():
         lk = [x if rng.random() < 0.7 else rng.choice([0, 5, 90]) for x in lq]
         cq, ck = _cu(lq), _cu(lk)
         blk = _blocks.Block(cq, ck, max(lq), max(lk), False, cu_q_host=cq, cu_k_host=ck)
-        sp = split_block(blk, 64)
-        assert split_block(blk, 64) is sp  # kept on the block
+        sp = split_block(blk, 64, 0)
+        assert split_block(blk, 64, 0) is sp  # kept on the block
         lq_t, lk_t = torch.tensor(lq), torch.tensor(lk)
         real = (lq_t > 0) & (lk_t > 0)
         short = real & (lq_t < 64)
@@ -201,6 +210,50 @@ def test_split_block_partitions_segments():
             assert set(sp.q_rows.tolist()) == _rows_of(cq, short)
             assert set(sp.k_rows.tolist()) == _rows_of(ck, short)
 
+
+
+@pytest.mark.parametrize("short_rows", [SPLIT_MIN_ROWS - 1, SPLIT_MIN_ROWS])
+def test_split_needs_min_rows_of_short_segments(short_rows):
+    """Short segments (below the crossover) go to cuDNN only when they hold at least
+    SPLIT_MIN_ROWS query rows in all; fewer stay on FA4 with the long ones, also in a block
+    of short segments alone. Segments without keys do not count."""
+    rng = random.Random(short_rows)
+    parts, left = [], short_rows
+    while left:
+        parts.append(min(left, rng.randrange(1, 1024)))
+        left -= parts[-1]
+    for lq in ([3000, *parts, 0, 900], parts):
+        lq_x, lk_x = [*lq, 500], [*lq, 0]  # a keyless short segment: not counted
+        cq, ck = _cu(lq_x), _cu(lk_x)
+        blk = _blocks.Block(cq, ck, max(lq_x), max(lk_x), True, cu_q_host=cq, cu_k_host=ck)
+        sp = split_block(blk, 1024)
+        short = sum(x for x in lq if 0 < x < 1024)
+        on_cudnn = short >= SPLIT_MIN_ROWS
+        assert (sp.cudnn is not None) == on_cudnn, (short, lq[:3])
+        assert (sp.fa4 is blk) == (not on_cudnn)
+        if on_cudnn and lq is parts:
+            assert sp.fa4 is None  # all short: cuDNN alone
+
+
+def test_auto_keeps_few_short_rows_on_fa4(fakes):
+    """End to end over the fake kernels with the default rule: a long document and a few
+    short ones run in one FA4 call (no cuDNN call); with SPLIT_MIN_ROWS short rows the short
+    ones run on cuDNN; both match the float64 oracle exactly."""
+    fakes["auto"], fakes["min_rows"] = 64, SPLIT_MIN_ROWS
+    for lens, cudnn in (([300, 40, 50, 7], False), ([300, *[32] * (SPLIT_MIN_ROWS // 32)], True)):
+        cu = _cu(lens)
+        n = int(cu[-1])
+        gen = torch.Generator().manual_seed(len(lens))
+        q, k, v, dout = (torch.randn(n, h, 8, generator=gen, dtype=torch.float64)
+                         for h in (4, 2, 2, 4))
+        fa4_utils.CALLS.clear()
+        CUDNN_CALLS.clear()
+        res = {b: _run(q, k, v, dout, cu_seqlens=cu, max_seqlen=max(lens), backend=b)
+               for b in ("auto", "reference")}
+        assert bool(CUDNN_CALLS) == cudnn and fa4_utils.CALLS, (lens[:3], len(CUDNN_CALLS))
+        for nm, x, y in zip(("out", "lse", "dq", "dk", "dv"), res["auto"], res["reference"],
+                            strict=True):
+            assert_close(x, y, **F64_EXACT, name=f"auto {len(lens)} segments {nm}")
 
 def test_get_backend_auto_rule(monkeypatch):
     """auto: cuDNN + FA4 by the calibration's crossover (the plan's; None: the shipped one)
@@ -281,6 +334,9 @@ def test_cost_model_auto_uses_the_crossover(monkeypatch):
     t_short = cost_model.predict(short, s, backend="cudnn", **kw)
     seg = 65 * 32 * cal.seg_ns * 1e-6 - 64 * 32 * cal.seg_ns * 1e-6 - 32 * cal.seg_ns * 1e-6
     assert mixed == pytest.approx(t_long + t_short + seg, rel=1e-9)
+    few = [0, 32768, 32768 + 256, 32768 + 512]  # short rows below SPLIT_MIN_ROWS: all on FA4
+    assert cost_model.predict(few, s, backend="auto", **kw) == \
+        cost_model.predict(few, s, backend="fa4", **kw)
     monkeypatch.setattr(_compat, "fa4_unavailable", lambda: "absent")
     assert cost_model.predict(long, s, backend="auto", **kw) == pred["cudnn"]["long"]
 

@@ -1,7 +1,7 @@
 """GPU checks of the ``fa4`` backend and ``auto``'s FA4 / cuDNN dispatch (parallel/_fa4.py).
 
-* fa4, and cuDNN + FA4 split per document (crossover 256: both kernels in one block), against
-  the reference backend in float32 on the same bf16 inputs and plan: edge layouts
+* fa4, and cuDNN + FA4 split per document (crossover 256, min_rows 0: both kernels in one
+  block), against the reference backend in float32 on the same bf16 inputs and plan: edge layouts
   (zero-length, one-token, odd-length documents), GQA 4:1, head_dim 64 and 128, causal and not;
   the CUDA allocator is filled with NaN first, so an unwritten row cannot pass.
 * a ring of cp 2 simulated on one GPU: each rank's blocks run in turn against the K/V of the
@@ -109,7 +109,7 @@ def test_fa4_and_mixed_match_float32_reference(d, causal):
     x = [torch.randn(n, h, d, generator=gen).to(device, torch.bfloat16) for h in (hq, hkv, hkv, hq)]
     res, failed = {}, []
     for name, be, dtype in (("fa4", Fa4(), torch.bfloat16),
-                            ("cudnn+fa4", CudnnFa4(256), torch.bfloat16),
+                            ("cudnn+fa4", CudnnFa4(256, min_rows=0), torch.bfloat16),
                             ("reference", None, torch.float32)):
         plan = CPAttentionPlan.build(cu, max(EDGES), q_heads=hq, kv_heads=hkv, head_dim=d,
                                      dtype=dtype, device=device, n_tokens=n, **kw)
@@ -147,7 +147,7 @@ def test_ring_cp2_simulated_on_one_gpu(be_name):
     q, k, v, dout = (torch.randn(int(cu[-1]), h, d, generator=gen).to(device, torch.bfloat16)
                      for h in (hq, hkv, hkv, hq))
     idx = [cp_shard_indices(cu, C, r) for r in range(C)]
-    be = Fa4() if be_name == "fa4" else CudnnFa4(256)
+    be = Fa4() if be_name == "fa4" else CudnnFa4(256, min_rows=0)
     plans = [CPAttentionPlan.simulated(local, max(lens) // C, cp_size=C, cp_rank=r, q_heads=hq,
                                        kv_heads=hkv, head_dim=d, dtype=torch.bfloat16,
                                        device=device) for r in range(C)]
