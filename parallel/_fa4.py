@@ -56,13 +56,17 @@ MIN_BUCKET = 256
 backward's single-tile specialisation never changes with the batch."""
 SPLIT_MIN_ROWS = 8192
 """Fewest query rows of a block's short segments (below the crossover) that ``auto`` sends to
-cuDNN; fewer stay on FA4. On them cuDNN saves at most ~12 us of GPU time per 1,024 rows and
-layer (forward + backward, head_dim 128: 512 x 256 tokens took 9.5 ms on cuDNN and 11.2 ms on
-FA4 on an H100, docs/benchmarks.md), so ~0.1 ms at 8,192 rows; a second call costs its
-launches and row copies, ~13 ms of host time per layer in cuDNN's frontend (4 ms forward,
-9 ms backward, measured on an H200 in round 4) and, for each new call shape, a cuDNN graph
-build of 0.07-0.19 s. Replaying bench_memory's 32,768-token finetune_hf batches through
-the split (40 steps), the cuDNN call shapes fell from 13 (5 new in steps 21-40) to 5 (1)."""
+cuDNN; fewer stay on FA4. A floor because the split has fixed costs: a second kernel call per
+layer (launches, the rows copied between the two results, cuDNN frontend host time) and a
+cuDNN graph build (0.07-0.19 s) for each new call shape, while what cuDNN saves on short rows
+is small: ~12 us per 1,024 rows and layer (forward + backward, head_dim 128: 512 x 256 tokens
+took 9.5 ms on cuDNN and 11.2 ms on FA4 on an H100, docs/benchmarks.md). Where the
+break-even lies depends on how much of that host time GPU work hides: the shipped
+calibration's ``call_us`` (855 us) would put it near 65K rows. 8,192 is a low floor: whole
+batches of short documents (512 x 256 tokens) stay on cuDNN, and batches with a few short
+documents lose the split. Replaying bench_memory's 32,768-token finetune_hf batches (40
+steps), cuDNN call shapes fell from 13 to 5; the H100's tokens/s did not change (122,668 with
+a floor of 0, 122,740 with 8,192, docs/benchmarks.md Round 9)."""
 
 
 def fa4_window(window) -> tuple[int | None, int | None]:

@@ -222,7 +222,7 @@ def test_split_needs_min_rows_of_short_segments(short_rows):
     while left:
         parts.append(min(left, rng.randrange(1, 1024)))
         left -= parts[-1]
-    for lq in ([3000, *parts, 0, 900], parts):
+    for lq in ([3000, *parts, 0, 1500], parts):
         lq_x, lk_x = [*lq, 500], [*lq, 0]  # a keyless short segment: not counted
         cq, ck = _cu(lq_x), _cu(lk_x)
         blk = _blocks.Block(cq, ck, max(lq_x), max(lk_x), True, cu_q_host=cq, cu_k_host=ck)
@@ -274,6 +274,7 @@ def test_get_backend_auto_rule(monkeypatch):
         be = _blocks.get_backend("auto", torch.zeros(4, 2, d), 3)
         assert isinstance(be, CudnnFa4) and be.crossover == cross == \
             default_calibration().crossover_at(d), (d, be.crossover)
+        assert be.min_rows == SPLIT_MIN_ROWS  # the rule of the module docstring, as built
     mine = dataclasses.replace(default_calibration(), crossover={64: 77})
     assert _blocks.get_backend("auto", torch.zeros(4, 2, 64), 3, calibration=mine).crossover == 77
     assert isinstance(_blocks.get_backend("auto", torch.zeros(4, 2, 192), 3), Fa4)
@@ -334,9 +335,16 @@ def test_cost_model_auto_uses_the_crossover(monkeypatch):
     t_short = cost_model.predict(short, s, backend="cudnn", **kw)
     seg = 65 * 32 * cal.seg_ns * 1e-6 - 64 * 32 * cal.seg_ns * 1e-6 - 32 * cal.seg_ns * 1e-6
     assert mixed == pytest.approx(t_long + t_short + seg, rel=1e-9)
-    few = [0, 32768, 32768 + 256, 32768 + 512]  # short rows below SPLIT_MIN_ROWS: all on FA4
-    assert cost_model.predict(few, s, backend="auto", **kw) == \
-        cost_model.predict(few, s, backend="fa4", **kw)
+    for n_short in (SPLIT_MIN_ROWS - 1, SPLIT_MIN_ROWS):  # the split's rule at its bound
+        lens = [256] * (n_short // 256) + [n_short % 256] * (n_short % 256 > 0)
+        short = [0, *np.cumsum(lens).tolist()]
+        cu = [0, *(32768 + x for x in short)]
+        got = cost_model.predict(cu, s, backend="auto", **kw)
+        if n_short < SPLIT_MIN_ROWS:  # all on FA4
+            assert got == cost_model.predict(cu, s, backend="fa4", **kw)
+        else:  # as the mixed layout above: FA4's long part plus cuDNN's short one
+            assert got == pytest.approx(t_long + cost_model.predict(short, s, backend="cudnn",
+                                                                    **kw), rel=1e-9)
     monkeypatch.setattr(_compat, "fa4_unavailable", lambda: "absent")
     assert cost_model.predict(long, s, backend="auto", **kw) == pred["cudnn"]["long"]
 
