@@ -73,7 +73,12 @@ def _causal(lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _segs(cal, backend, seg, heads, D) -> float:
-    """Seconds of one call over the segments ``(pairs, lq, lk, tiles)`` of :mod:`._window_cost`."""
+    """Seconds of one call over the windowed segments ``(pairs, lq, lk, tiles)`` of
+    :mod:`._window_cost`. Backend ``"auto"`` is priced as FA4 where it runs: windowed blocks
+    run on :data:`~cp_rope.parallel.choices.WINDOW_BACKENDS` (FA4 first, never cuDNN), so the
+    crossover split does not apply to them."""
+    if backend == "auto" and _auto_crossover(cal, D) is not None:
+        backend = "fa4"
     return _seg_time(cal, backend, seg[0], seg[1], heads, D, seg[2], tiles=seg[3])
 
 

@@ -205,7 +205,8 @@ def predict(cu_seqlens, setting: Setting, *, cp_size: int, q_heads: int, kv_head
             unless a block's shorter segments hold fewer than ``SPLIT_MIN_ROWS`` query rows
             (then ``"fa4"``'s for all; ``get_backend``'s rule; cuDNN's alone when FA4 is not
             importable or the calibration has no ``fa4`` table), one more call when a block
-            uses both.
+            uses both; under a window (below) ``"fa4"``'s for every segment where FA4 runs,
+            as windowed blocks never run on cuDNN.
         calibration: constants (default :func:`~cp_rope.parallel.calibrate.default_calibration`).
         per_rank: also return the list of every rank's ms.
         window: the layer's left window ``W`` (:mod:`cp_rope.parallel._window`'s convention:

@@ -345,6 +345,11 @@ def test_cost_model_auto_uses_the_crossover(monkeypatch):
         else:  # as the mixed layout above: FA4's long part plus cuDNN's short one
             assert got == pytest.approx(t_long + cost_model.predict(short, s, backend="cudnn",
                                                                     **kw), rel=1e-9)
+    # a window shorter than the documents: windowed blocks run on FA4 alone (WINDOW_BACKENDS),
+    # so auto is priced as fa4 however short the documents
+    win = {b: cost_model.predict(both, s, backend=b, window=512, **kw) for b in ("auto", "fa4")}
+    assert win["auto"] == win["fa4"] != cost_model.predict(both, s, backend="cudnn", window=512,
+                                                           **kw)
     monkeypatch.setattr(_compat, "fa4_unavailable", lambda: "absent")
     assert cost_model.predict(long, s, backend="auto", **kw) == pred["cudnn"]["long"]
 
