@@ -11,7 +11,7 @@ import numpy as np
 
 from . import _compat
 from ._calibration import Calibration
-from ._fa4 import SPLIT_MIN_ROWS
+from ._fa4 import cudnn_segments
 from ._window_cost import allgather_segments, ring_segments, whole_segments
 from .ulysses import comm_volume
 
@@ -46,9 +46,7 @@ def _seg_time(cal: Calibration, backend: str, pairs: np.ndarray, lq: np.ndarray,
         if cross is None:
             tflops = cal.tflops_at("cudnn", pairs / lq)
         else:
-            on_fa4 = lq >= cross
-            if lq[~on_fa4].sum() < SPLIT_MIN_ROWS:  # too few short rows for a cuDNN call
-                on_fa4[:] = True
+            on_fa4 = ~cudnn_segments(lq, cross)  # split_block's rule
             tflops = np.where(on_fa4, cal.tflops_at("fa4", pairs / lq),
                               cal.tflops_at("cudnn", pairs / lq))
             calls = 1 + int(on_fa4.any() and not on_fa4.all())

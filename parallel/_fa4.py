@@ -47,8 +47,8 @@ from . import _compat
 from ._cudnn_thd import CudnnTHD, seq_bound
 from ._device import to_device
 
-__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "bucket", "fa4_window", "MIN_BUCKET",
-           "SPLIT_MIN_ROWS"]
+__all__ = ["Fa4", "CudnnFa4", "SplitBlock", "split_block", "cudnn_segments", "bucket",
+           "fa4_window", "MIN_BUCKET", "SPLIT_MIN_ROWS"]
 
 NEG_INF = float("-inf")
 MIN_BUCKET = 256
@@ -185,6 +185,16 @@ def _sub_block(blk, cq, ck, keep):
                                cu_q_host=cu_q, cu_k_host=cu_k)
 
 
+def cudnn_segments(lq, crossover: int, min_rows: int = SPLIT_MIN_ROWS):
+    """The segments ``auto`` runs on cuDNN (the module docstring's rule, for :func:`split_block`
+    and the cost model alike): ``lq`` the query rows of each segment (a torch or numpy array;
+    0 for a segment without queries or keys). Returns a boolean mask of the same kind: the
+    segments below the ``crossover`` when they hold at least ``min_rows`` query rows in all,
+    else none."""
+    short = (lq > 0) & (lq < crossover)
+    return short if int(lq[short].sum()) >= max(min_rows, 1) else short & False
+
+
 def split_block(blk, crossover: int, min_rows: int = SPLIT_MIN_ROWS) -> SplitBlock:
     """The block's segments by the rule of ``auto`` (the module docstring): a segment with
     queries and keys runs on FA4 when its query rows are ``>= crossover``, else on cuDNN,
@@ -200,8 +210,8 @@ def split_block(blk, crossover: int, min_rows: int = SPLIT_MIN_ROWS) -> SplitBlo
     ck = (blk.cu_k_host if blk.cu_k_host is not None else blk.cu_k.cpu()).to(torch.int64)
     lq, lk = cq[1:] - cq[:-1], ck[1:] - ck[:-1]
     real = (lq > 0) & (lk > 0)
-    short = real & (lq < crossover)
-    if int(lq[short].sum()) < max(min_rows, 1):
+    short = cudnn_segments(torch.where(real, lq, 0), crossover, min_rows)
+    if not bool(short.any()):
         got = SplitBlock(blk, None)
     elif bool((short == real).all()):
         got = SplitBlock(None, blk)
