@@ -4,11 +4,21 @@ torch loop, or Liger-Kernel's fused linear cross-entropy (``impl``, one of
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from .choices import LOSS_IMPLS
 
-__all__ = ["loss_impl", "liger_function", "liger_missing"]
+__all__ = ["loss_impl", "liger_function", "liger_missing", "liger_chunking", "LIGER_CHUNK_TOKENS"]
+
+LIGER_CHUNK_TOKENS = 4096
+"""Most tokens per chunk cp_rope asks of Liger's kernel where its own rule makes more chunks.
+Liger's default bounds a chunk's logits to ``n_tokens x hidden`` elements, so a head of
+``V / hidden`` = 148 (Qwen3: 151,936 x 1,024) takes ~128 chunks at any length (256 tokens
+each at 32,768), and each chunk adds its dweight product into the float32 ``[V, hidden]``
+accumulator: a 0.6 GB read and write per chunk, ~160 GB per step. At 4,096 tokens a chunk's
+bf16 logits take 1.2 GB (V = 151,936)."""
 
 _LIGER: list = []  # [(the function or None, why it is unavailable)] once imported
 
@@ -25,6 +35,22 @@ def liger_function():
         except Exception as exc:  # noqa: BLE001 - a broken install must not fail one rank alone
             _LIGER.append((None, f"importing liger-kernel failed ({type(exc).__name__}: {exc})"))
     return _LIGER[0][0]
+
+
+def liger_chunking(fn, n_tokens: int, vocab: int, hidden: int) -> dict:
+    """Keyword arguments for Liger's ``fn`` (:func:`liger_function`) that make its chunks at
+    most :data:`LIGER_CHUNK_TOKENS` tokens where its default makes them smaller: its
+    ``chunk_mem_const`` ``c``, with which Liger takes ``next_pow2(ceil(n / ceil(V / (c x
+    hidden))))`` tokens per chunk (``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5),
+    at most :data:`LIGER_CHUNK_TOKENS` for ``c = floor(V x LIGER_CHUNK_TOKENS / (n x
+    hidden))``; no argument (Liger's default) where that is below 2 or ``fn`` has no such
+    parameter (liger-kernel before it)."""
+    c = vocab * LIGER_CHUNK_TOKENS // max(n_tokens * hidden, 1)
+    try:
+        takes = "chunk_mem_const" in inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # no signature to read: Liger's default
+        takes = False
+    return {"chunk_mem_const": int(c)} if takes and c >= 2 else {}
 
 
 def liger_missing() -> str | None:

@@ -39,7 +39,7 @@ from cp_rope.validation import (
 )
 
 from ._device import to_device
-from ._loss_impl import liger_function, liger_missing, loss_impl
+from ._loss_impl import liger_chunking, liger_function, liger_missing, loss_impl
 
 __all__ = ["cp_cross_entropy", "cp_linear_cross_entropy", "liger_missing",  # these two:
            "loss_impl"]  # _loss_impl's
@@ -365,9 +365,11 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     on an H200 at 262,144 tokens of a 151,936-word vocabulary, 0.73 s vs 1.26 s for the
     whole forward (docs/benchmarks.md). Liger is called with ``reduction="sum"`` (each
     rank's ``S_r``) and the CP normalisation above is applied around it, so its gradients
-    are those of the group mean; it picks its own chunks (about ``T * d / V`` tokens of
-    bf16 logits, so its transient memory is that of one ``[T, d]`` activation), accumulates
-    ``dweight`` in float32 and reads its token count on the host once per call.
+    are those of the group mean; its chunks are its own (about ``T * d / V`` tokens of
+    bf16 logits, so its transient memory is that of one ``[T, d]`` activation) or, where
+    those are fewer than ``LIGER_CHUNK_TOKENS`` (4,096) tokens, that many
+    (:func:`~cp_rope.parallel._loss_impl.liger_chunking`: fewer passes over the float32
+    ``dweight`` it accumulates). It reads its token count on the host once per call.
 
     Args:
         hidden: ``[T, d]`` float, this rank's final hidden states (after the last norm).
@@ -442,9 +444,10 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     if impl == "liger":
         # S_r from Liger's kernel, then the group mean around it (module docstring): the same
         # collectives as the torch loop (N first, the sum after), so ranks agree on both
-        local_sum = liger_function()(hidden, weight, labels, ignore_index=ignore_index,
-                                      reduction="sum", softcap=softcap,
-                                      accum_dtype=torch.float32)
+        fn = liger_function()
+        local_sum = fn(hidden, weight, labels, ignore_index=ignore_index, reduction="sum",
+                       softcap=softcap, accum_dtype=torch.float32,
+                       **liger_chunking(fn, hidden.shape[0], weight.shape[0], weight.shape[1]))
         total = local_sum.detach().to(torch.float64).reshape(1)
         if dist.is_initialized() and dist.get_world_size(group) > 1:
             dist.all_reduce(total, op=dist.ReduceOp.SUM, group=group)

@@ -345,3 +345,53 @@ def test_loss_group_not_a_process_group(which):
     with pytest.raises(TypeError, match=r"group must be a torch\.distributed ProcessGroup or "
                                         r"None, got str 'world'"):
         getattr(P, which)(*args, group="world")
+
+
+def _liger_chunk(n, vocab, hidden, c=1):
+    """Liger 0.8.5's chunk size (liger_kernel/ops/fused_linear_cross_entropy.py)."""
+    inc = -(-vocab // (c * hidden))
+    return min(1 << (-(-n // inc) - 1).bit_length(), n)
+
+
+@pytest.mark.parametrize("n,vocab,hidden", [(32768, 151936, 1024), (262144, 151936, 1024),
+                                            (1048576, 151936, 1024), (65536, 32000, 4096),
+                                            (4096, 151936, 1024), (100, 50, 8)])
+def test_liger_chunks_at_most_liger_chunk_tokens(n, vocab, hidden):
+    """liger_chunking: Liger's chunks grow to at most LIGER_CHUNK_TOKENS where its default
+    makes them smaller, and stay its own otherwise; a Liger without chunk_mem_const gets none."""
+    def takes(*a, chunk_mem_const=1, **k):
+        return None
+
+    def old(*a, ignore_index, reduction, softcap, accum_dtype):
+        return None
+
+    kw = _loss_impl.liger_chunking(takes, n, vocab, hidden)
+    default = _liger_chunk(n, vocab, hidden)
+    got = _liger_chunk(n, vocab, hidden, kw.get("chunk_mem_const", 1))
+    if default < _loss_impl.LIGER_CHUNK_TOKENS and n >= 2 * default:
+        assert got > default and got <= _loss_impl.LIGER_CHUNK_TOKENS, (default, got)
+    else:
+        assert kw == {} and got == default
+    if (n, vocab) in ((32768, 151936), (262144, 151936)):  # bench_memory's hf shapes
+        assert default in (256, 2048) and got == 4096
+    assert _loss_impl.liger_chunking(old, n, vocab, hidden) == {}
+
+
+def test_liger_called_with_its_chunking():
+    """cp_linear_cross_entropy passes liger_chunking's arguments for its shapes to Liger."""
+    from unittest import mock
+
+    seen = []
+
+    def fake(h, w, y, *, ignore_index, reduction, softcap, accum_dtype, chunk_mem_const=1):
+        seen.append(chunk_mem_const)
+        return _fake_liger(h, w, y, ignore_index=ignore_index, reduction=reduction,
+                           softcap=softcap, accum_dtype=accum_dtype)
+
+    h = torch.randn(64, 8, dtype=torch.float64)
+    w = torch.randn(4096, 8, dtype=torch.float64)
+    y = torch.randint(0, 4096, (64,))
+    with mock.patch.object(_loss_impl, "_LIGER", [(fake, "")]), \
+            mock.patch.object(loss_module, "loss_impl", lambda impl, *_: impl):
+        cp_linear_cross_entropy(h, w, y, None, impl="liger")
+    assert seen == [_loss_impl.liger_chunking(fake, 64, 4096, 8)["chunk_mem_const"]]
