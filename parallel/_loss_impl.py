@@ -17,8 +17,8 @@ LIGER_CHUNK_TOKENS = 4096
 Liger's default bounds a chunk's logits to ``n_tokens x hidden`` elements, so a head of
 ``V / hidden`` = 148 (Qwen3: 151,936 x 1,024) takes ~128 chunks at any length (256 tokens
 each at 32,768), and each chunk adds its dweight product into the float32 ``[V, hidden]``
-accumulator: a 0.6 GB read and write per chunk, ~160 GB per step. At 4,096 tokens a chunk's
-bf16 logits take 1.2 GB (V = 151,936)."""
+accumulator: a 0.6 GB read and write per chunk, ~160 GB per step. The price is transient
+memory: a chunk's bf16 logits, 78 MB at 256 tokens, take 1.2 GB at 4,096 (V = 151,936)."""
 
 _LIGER: list = []  # [(the function or None, why it is unavailable)] once imported
 
@@ -38,14 +38,19 @@ def liger_function():
 
 
 def liger_chunking(fn, n_tokens: int, vocab: int, hidden: int) -> dict:
-    """Keyword arguments for Liger's ``fn`` (:func:`liger_function`) that make its chunks at
-    most :data:`LIGER_CHUNK_TOKENS` tokens where its default makes them smaller: its
-    ``chunk_mem_const`` ``c``, with which Liger takes ``next_pow2(ceil(n / ceil(V / (c x
-    hidden))))`` tokens per chunk (``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5),
-    at most :data:`LIGER_CHUNK_TOKENS` for ``c = floor(V x LIGER_CHUNK_TOKENS / (n x
-    hidden))``; no argument (Liger's default) where that is below 2 or ``fn`` has no such
-    parameter (liger-kernel before it)."""
-    c = vocab * LIGER_CHUNK_TOKENS // max(n_tokens * hidden, 1)
+    """Keyword arguments for Liger's ``fn`` (:func:`liger_function`) that make its chunks as
+    large as possible up to :data:`LIGER_CHUNK_TOKENS` tokens where its default makes them
+    smaller: its ``chunk_mem_const`` ``c``. Liger takes ``min(next_pow2(ceil(n / inc)), n)``
+    tokens per chunk with ``inc = ceil(V / (c x hidden))``
+    (``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5), at most
+    ``L = LIGER_CHUNK_TOKENS`` (a power of 2) exactly when ``n <= L`` or ``inc >= k =
+    ceil(n / L)``: the largest such ``c`` is ``ceil(V / hidden)`` for ``k = 1`` (one chunk),
+    else ``ceil(V / (hidden x (k - 1))) - 1``. No argument (Liger's default, ``c = 1``) where
+    that is below 2 or ``fn`` has no such parameter (liger-kernel before it)."""
+    if n_tokens < 1 or hidden < 1 or vocab < 1:
+        return {}
+    k = -(-n_tokens // LIGER_CHUNK_TOKENS)
+    c = -(-vocab // hidden) if k == 1 else -(-vocab // (hidden * (k - 1))) - 1
     try:
         takes = "chunk_mem_const" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read: Liger's default

@@ -366,10 +366,11 @@ def cp_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: 
     whole forward (docs/benchmarks.md). Liger is called with ``reduction="sum"`` (each
     rank's ``S_r``) and the CP normalisation above is applied around it, so its gradients
     are those of the group mean; its chunks are its own (about ``T * d / V`` tokens of
-    bf16 logits, so its transient memory is that of one ``[T, d]`` activation) or, where
-    those are fewer than ``LIGER_CHUNK_TOKENS`` (4,096) tokens, that many
+    bf16 logits, the memory of one ``[T, d]`` activation) where those are at least
+    ``LIGER_CHUNK_TOKENS`` (4,096) tokens, else as large as Liger's rule allows up to that
     (:func:`~cp_rope.parallel._loss_impl.liger_chunking`: fewer passes over the float32
-    ``dweight`` it accumulates). It reads its token count on the host once per call.
+    ``dweight`` it accumulates, for up to ``4,096 x V`` bf16 logits at a time: 1.2 GB at
+    V = 151,936). It reads its token count on the host once per call.
 
     Args:
         hidden: ``[T, d]`` float, this rank's final hidden states (after the last norm).

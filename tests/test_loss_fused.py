@@ -355,23 +355,28 @@ def _liger_chunk(n, vocab, hidden, c=1):
 
 @pytest.mark.parametrize("n,vocab,hidden", [(32768, 151936, 1024), (262144, 151936, 1024),
                                             (1048576, 151936, 1024), (65536, 32000, 4096),
-                                            (4096, 151936, 1024), (100, 50, 8)])
+                                            (4096, 151936, 1024), (65536, 128256, 4096),
+                                            (16384, 32000, 4096), (100, 50, 8), (100, 16, 8)])
 def test_liger_chunks_at_most_liger_chunk_tokens(n, vocab, hidden):
-    """liger_chunking: Liger's chunks grow to at most LIGER_CHUNK_TOKENS where its default
-    makes them smaller, and stay its own otherwise; a Liger without chunk_mem_const gets none."""
+    """liger_chunking picks the chunk_mem_const whose chunks are the largest Liger's rule
+    allows up to LIGER_CHUNK_TOKENS (brute force over every c), where that beats Liger's
+    default; else no argument. A Liger without chunk_mem_const gets none."""
     def takes(*a, chunk_mem_const=1, **k):
         return None
 
     def old(*a, ignore_index, reduction, softcap, accum_dtype):
         return None
 
+    cap = _loss_impl.LIGER_CHUNK_TOKENS
     kw = _loss_impl.liger_chunking(takes, n, vocab, hidden)
     default = _liger_chunk(n, vocab, hidden)
     got = _liger_chunk(n, vocab, hidden, kw.get("chunk_mem_const", 1))
-    if default < _loss_impl.LIGER_CHUNK_TOKENS and n >= 2 * default:
-        assert got > default and got <= _loss_impl.LIGER_CHUNK_TOKENS, (default, got)
-    else:
-        assert kw == {} and got == default
+    best = max(_liger_chunk(n, vocab, hidden, c) for c in range(1, -(-vocab // hidden) + 2)
+               if _liger_chunk(n, vocab, hidden, c) <= max(cap, default))
+    assert got == max(best, default), (default, got, best)
+    assert (kw != {}) == (got > default)
+    if kw:
+        assert got <= cap
     if (n, vocab) in ((32768, 151936), (262144, 151936)):  # bench_memory's hf shapes
         assert default in (256, 2048) and got == 4096
     assert _loss_impl.liger_chunking(old, n, vocab, hidden) == {}
