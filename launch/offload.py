@@ -46,6 +46,7 @@ ATTENTION_OPS = (
     "aten::_scaled_dot_product_flash_attention", "aten::_scaled_dot_product_efficient_attention",
     "aten::_scaled_dot_product_cudnn_attention", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "cudnn::sdpa_fwd", "flash_attn::_flash_attn_varlen_forward", "flash_attn::_flash_attn_forward",
+    "cp_rope::fa4_varlen_fwd",
 )
 """Operators whose outputs ``selective`` keeps (every attention forward kernel a block backend of
 :mod:`cp_rope.parallel` or transformers' SDPA calls)."""

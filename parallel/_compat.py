@@ -439,13 +439,34 @@ def fa4_varlen_fwd(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, sc
     ``sink``: float32 ``[Hq]`` learnable sink logits or None.
 
     Returns (out ``[Tq, Hq, D]`` q.dtype, lse ``[Hq, Tq]`` float32 contiguous, -inf where a
-    row sees no key). Rows at or beyond ``cu_q[-1]`` are left unwritten.
+    row sees no key). Rows at or beyond ``cu_q[-1]`` are left unwritten. Runs as the torch op
+    ``cp_rope::fa4_varlen_fwd`` (FA4's own call is plain Python, which dispatch modes do not
+    see), so that selective checkpointing keeps its outputs instead of recomputing it
+    (:data:`cp_rope.launch.offload.ATTENTION_OPS`).
     """
+    return torch.ops.cp_rope.fa4_varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k),
+                                            bool(causal), float(scale), *window, sink)
+
+
+def _fa4_kernel_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink):
+    """FA4's varlen forward call itself: what the op runs (the CPU tests put a fake here)."""
     out, lse, *_ = _fa4_interface()._flash_attn_fwd(
         q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q, max_seqlen_k=max_k,
-        softmax_scale=scale, causal=causal, window_size_left=window[0],
-        window_size_right=window[1], learnable_sink=sink, return_lse=True)
+        softmax_scale=scale, causal=causal, window_size_left=left, window_size_right=right,
+        learnable_sink=sink, return_lse=True)
     return out, lse
+
+
+@torch.library.custom_op("cp_rope::fa4_varlen_fwd", mutates_args=(), schema=(
+    "(Tensor q, Tensor k, Tensor v, Tensor cu_q, Tensor cu_k, int max_q, int max_k, "
+    "bool causal, float scale, int? left, int? right, Tensor? sink) -> (Tensor, Tensor)"))
+def _fa4_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink):
+    return _fa4_kernel_fwd(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink)
+
+
+@_fa4_fwd_op.register_fake
+def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink):
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
 
 
 def fa4_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,

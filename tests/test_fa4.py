@@ -64,6 +64,9 @@ def _cudnn_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, *rest):
     return fake_cudnn_thd_bwd(dout, q, k, v, out, lse_padded, cu_q, cu_k, *rest)
 
 
+_REAL_FA4_FWD = _compat.fa4_varlen_fwd  # the op's wrapper (the fakes fixture replaces it)
+
+
 @pytest.fixture
 def fakes(monkeypatch):
     """Backends on the CPU over the fake kernels: ``fakes["auto"] = crossover`` selects
@@ -577,3 +580,51 @@ def test_cp1_sinks_in_fa4s_kernel(fakes, backend, lens, in_kernel):
         assert_close(g, rg, **F64_EXACT, name=f"{nm} {backend} {lens}")
     assert fa4_utils.SINK_CALLS == (["fwd", "bwd"] if in_kernel else []), fa4_utils.SINK_CALLS
     assert in_kernel or CUDNN_CALLS, "the short document did not run on cuDNN"
+
+
+@pytest.mark.parametrize("mode,fwd_calls", [("none", 2), ("full", 4), ("selective", 2)])
+def test_selective_keeps_fa4s_output(fakes, monkeypatch, mode, fwd_calls):
+    """Selective checkpointing with the fa4 backend: FA4's forward runs through the op
+    cp_rope::fa4_varlen_fwd, one of ATTENTION_OPS, so the recomputation replays its kept
+    output: once per layer as without checkpointing, twice under full; the gradients equal
+    those without checkpointing, exactly in float64."""
+    from torch import nn
+
+    from cp_rope.launch.offload import wrap_layer
+
+    monkeypatch.setattr(_compat, "fa4_varlen_fwd", _REAL_FA4_FWD)
+    monkeypatch.setattr(_compat, "_fa4_kernel_fwd", lambda q, k, v, cq, ck, mq, mk, c, s, left,
+                        right, sink: fake_fa4_fwd(q, k, v, cq, ck, mq, mk, c, s, (left, right), sink))
+    cu = _cu([5, 17, 1, 9])
+
+    class Layer(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 3 * 16, dtype=torch.float64)
+
+        def forward(self, x):
+            q, k, v = self.qkv(x).reshape(-1, 3, 2, 8).unbind(1)
+            return x + context_parallel_attention(q, k, v, cu, 17, backend="fa4").reshape(-1, 16)
+
+    torch.manual_seed(0)
+    layers = nn.ModuleList(Layer() for _ in range(2))
+    ref = [p.detach().clone() for p in layers.parameters()]
+    grads = {}
+    for m in ("none", mode):
+        with torch.no_grad():
+            for p, r in zip(layers.parameters(), ref, strict=True):
+                p.copy_(r)
+                p.grad = None
+        for i, layer in enumerate(layers):
+            layer.__dict__.pop("forward", None)
+            wrap_layer(layer, i, m)
+        fa4_utils.CALLS.clear()
+        h = torch.randn(32, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        for layer in layers:
+            h = layer(h)
+        h.square().mean().backward()
+        grads[m] = [p.grad.clone() for p in layers.parameters()]
+        calls = sum(c[0] == "fwd" for c in fa4_utils.CALLS)
+    assert calls == fwd_calls, (mode, fa4_utils.CALLS)
+    for a, b in zip(grads["none"], grads[mode], strict=True):
+        assert torch.equal(a, b), mode
