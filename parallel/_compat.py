@@ -442,7 +442,8 @@ def fa4_varlen_fwd(q, k, v, cu_q, cu_k, max_q: int, max_k: int, causal: bool, sc
     row sees no key). Rows at or beyond ``cu_q[-1]`` are left unwritten. Runs as the torch op
     ``cp_rope::fa4_varlen_fwd`` (FA4's own call is plain Python, which dispatch modes do not
     see), so that selective checkpointing keeps its outputs instead of recomputing it
-    (:data:`cp_rope.launch.offload.ATTENTION_OPS`).
+    (:data:`cp_rope.launch.offload.ATTENTION_OPS`); the op has no autograd formula: call it
+    with gradients off, as the block backends do inside ``_CPAttention``.
     """
     return torch.ops.cp_rope.fa4_varlen_fwd(q, k, v, cu_q, cu_k, int(max_q), int(max_k),
                                             bool(causal), float(scale), *window, sink)
@@ -466,7 +467,8 @@ def _fa4_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, s
 
 @_fa4_fwd_op.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink):
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    lse = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64: CPU tests
+    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse)
 
 
 def fa4_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,
