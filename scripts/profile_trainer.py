@@ -17,7 +17,8 @@ wrapping the loop's functions (the trainer itself has no profiler hooks).
 Prints one JSON line: per recorded step (ms), the wall time, the GPU's busy time (the union of
 its kernels, copies and sets), its idle time split by the host phase it fell in (the innermost
 marked phase running on the host at that moment), and the host syncs (count and ms) per phase.
-``--table N`` adds torch.profiler's table of the N ops with the most host time; ``--trace
+``--table N`` adds torch.profiler's table of the N ops with the most host time (``--sort
+device``: GPU time); ``--trace
 PATH`` writes the Chrome trace (gzip). ``--tiny`` runs bench_memory's CPU smoke shapes (a check
 of this script's plumbing; no GPU numbers).
 """
@@ -157,6 +158,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--first", type=int, default=9, help="first recorded step (default 9)")
     p.add_argument("--record", type=int, default=3, help="recorded steps (default 3)")
     p.add_argument("--table", type=int, default=0, help="rows of the op table (0: none)")
+    p.add_argument("--sort", choices=("cpu", "device"), default="cpu",
+                   help="the op table's order: self host time, or self GPU time (GPU-bound steps)")
     p.add_argument("--trace", default=None, help="write the Chrome trace here (.json.gz)")
     p.add_argument("--tiny", action="store_true", help="bench_memory's smoke shapes (CPU)")
     a = p.parse_args(argv)
@@ -209,7 +212,8 @@ def main(argv: list[str] | None = None) -> dict:
                **analyse(prof.profiler.kineto_results.events(), a.record)}
         print(json.dumps(out), flush=True)
         if a.table:
-            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=a.table,
+            key = "self_device_time_total" if a.sort == "device" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=key, row_limit=a.table,
                                             max_name_column_width=60), flush=True)
         if a.trace:
             raw = os.path.join(work, "trace.json")
