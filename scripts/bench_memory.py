@@ -24,7 +24,8 @@ over the steps after the first (which also compiles kernels and builds cuDNN gra
 which step peaks depends on its batch, see docs/benchmarks.md, Memory round 3),
 tokens/s and MFU of the later half of the steps (the first ones build cuDNN graphs for
 new batch shapes; the 32K throughput config runs 40 steps so that its later half is
-past most of them), the planner's predicted peak
+past most of them): tokens over seconds, not a mean of the steps' rates, which overstates
+a run whose step times vary. Then the planner's predicted peak
 (:func:`cp_rope.launch.plan_memory.estimate`) and its ratio to the peak of the steps
 after the first (none for a 1-step run). ``--print-plans``
 adds the planner's answers for 1,048,576 tokens (cp 1 and per rank at cp 8) for
@@ -58,7 +59,7 @@ QWEN = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], hidden_size=
 CONFIGS = [  # in order of importance: a config that no longer fits the budget is skipped
     ("hf", 32768, [], 40, "throughput without checkpointing (target >= 111K tok/s)", 35),
     ("hf", 262144, ["--activation-checkpointing", "selective", "--offload-activations",
-                    "--mlp-tile-tokens", str(TILE)], 3, "target <= 25 GiB at >= 100K tok/s", 30),
+                    "--mlp-tile-tokens", str(TILE)], 6, "target <= 25 GiB at >= 100K tok/s", 40),
     ("hf", 1048576, ["--activation-checkpointing", "full", "--offload-activations",
                      "--mlp-tile-tokens", str(TILE)], 2, "target: a step at 1M tokens", 60),
     ("hf", 131072, ["--activation-checkpointing", "selective", "--offload-activations",
@@ -160,13 +161,16 @@ def _read_metrics(out_dir: str) -> dict:
     last = max(r["step"] for r in rows)  # the later half (cuDNN graphs of new shapes built)
     timed = [r for r in rows if r["step"] > max(1, last // 2)] or rows
     later = [r["peak_mem_gib"] for r in rows if r["step"] > 1]
+    # Every step holds the same tokens (--seq-mode concat), so tokens over time is the harmonic
+    # mean of the steps' rates, and MFU is the steps' MFU weighted by their time (~ 1 / rate).
+    secs = [1.0 / r["tokens_per_s"] for r in timed]
     out = {"steps": len(rows), "peak_gib": max(r["peak_mem_gib"] for r in rows),
            "step_peaks_gib": [round(r["peak_mem_gib"], 2) for r in rows],
-           "tokens_per_s": sum(r["tokens_per_s"] for r in timed) / len(timed)}
+           "tokens_per_s": len(timed) / sum(secs)}
     if later:
         out["later_peak_gib"] = max(later)
     if all("mfu" in r for r in timed):
-        out["mfu"] = sum(r["mfu"] for r in timed) / len(timed)
+        out["mfu"] = sum(r["mfu"] * t for r, t in zip(timed, secs, strict=True)) / sum(secs)
     return out
 
 

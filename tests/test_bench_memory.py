@@ -1,0 +1,41 @@
+"""scripts/bench_memory.py: how a run's metrics.jsonl becomes its row (tokens over time of the
+later half, time-weighted MFU, the peaks)."""
+import json
+import random
+
+import pytest
+from utils import script_module
+
+
+def _write(tmp_path, rows):
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+
+
+def test_throughput_is_tokens_over_time(tmp_path):
+    """Equal tokens per step: the later half's tokens/s is tokens over the summed step times
+    (not the mean of the steps' rates) and its MFU each step's weighted by its time."""
+    rng = random.Random()
+    tokens = 262144
+    secs = [rng.uniform(0.5, 3.0) for _ in range(6)]
+    flops = [rng.uniform(1e14, 5e14) for _ in secs]
+    peak = 1e15
+    rows = [{"step": i + 1, "tokens_per_s": tokens / t, "mfu": f / t / peak,
+             "peak_mem_gib": rng.uniform(10, 20)} for i, (t, f) in enumerate(zip(secs, flops, strict=True))]
+    _write(tmp_path, rows)
+    out = script_module("bench_memory")._read_metrics(str(tmp_path))
+    timed = range(3, 6)  # steps 4-6: after half of the 6
+    assert out["tokens_per_s"] == pytest.approx(3 * tokens / sum(secs[i] for i in timed), rel=1e-12)
+    assert out["mfu"] == pytest.approx(sum(flops[i] for i in timed) / sum(secs[i] for i in timed)
+                                       / peak, rel=1e-12)
+    assert out["steps"] == 6
+    assert out["peak_gib"] == max(r["peak_mem_gib"] for r in rows)
+    assert out["later_peak_gib"] == max(r["peak_mem_gib"] for r in rows[1:])
+
+
+def test_one_step_run(tmp_path):
+    """A 1-step run: that step's rate, and no peak of later steps."""
+    _write(tmp_path, [{"step": 1, "tokens_per_s": 1000.0, "peak_mem_gib": 3.0}])
+    out = script_module("bench_memory")._read_metrics(str(tmp_path))
+    assert out["tokens_per_s"] == pytest.approx(1000.0)
+    assert "later_peak_gib" not in out and "mfu" not in out
