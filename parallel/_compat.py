@@ -468,7 +468,7 @@ def _fa4_fwd_op(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, s
 @_fa4_fwd_op.register_fake
 def _(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, left, right, sink):
     lse = torch.float64 if q.dtype == torch.float64 else torch.float32  # float64: CPU tests
-    return torch.empty_like(q), q.new_empty((q.shape[1], q.shape[0]), dtype=lse)
+    return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=lse)  # contiguous
 
 
 def fa4_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, max_q: int, max_k: int, causal: bool,

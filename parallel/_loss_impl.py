@@ -42,14 +42,14 @@ def liger_chunking(fn, n_tokens: int, vocab: int, hidden: int) -> dict:
     large as possible up to :data:`LIGER_CHUNK_TOKENS` tokens where its default makes them
     smaller: its ``chunk_mem_const`` ``c``. Liger takes ``min(next_pow2(ceil(n / inc)), n)``
     tokens per chunk with ``inc = ceil(V / (c x hidden))``
-    (``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5), at most
-    ``L = LIGER_CHUNK_TOKENS`` (a power of 2) exactly when ``n <= L`` or ``inc >= k =
+    (``liger_kernel/ops/fused_linear_cross_entropy.py``, 0.8.5), at most ``L`` (the
+    largest power of 2 <= ``LIGER_CHUNK_TOKENS``) exactly when ``n <= L`` or ``inc >= k =
     ceil(n / L)``: the largest such ``c`` is ``ceil(V / hidden)`` for ``k = 1`` (one chunk),
     else ``ceil(V / (hidden x (k - 1))) - 1``. No argument (Liger's default, ``c = 1``) where
     that is below 2 or ``fn`` has no such parameter (liger-kernel before it)."""
-    if n_tokens < 1 or hidden < 1 or vocab < 1:
+    if n_tokens < 1 or hidden < 1 or vocab < 1 or LIGER_CHUNK_TOKENS < 1:
         return {}
-    k = -(-n_tokens // LIGER_CHUNK_TOKENS)
+    k = -(-n_tokens // (1 << (LIGER_CHUNK_TOKENS.bit_length() - 1)))  # a power of 2, <= L
     c = -(-vocab // hidden) if k == 1 else -(-vocab // (hidden * (k - 1))) - 1
     try:
         takes = "chunk_mem_const" in inspect.signature(fn).parameters

@@ -39,3 +39,17 @@ def test_one_step_run(tmp_path):
     out = script_module("bench_memory")._read_metrics(str(tmp_path))
     assert out["tokens_per_s"] == pytest.approx(1000.0)
     assert "later_peak_gib" not in out and "mfu" not in out
+
+
+def test_rates_without_a_time_are_left_out(tmp_path):
+    """A timed step with a rate of 0 (or inf) has no time to add: left out, not a crash; with
+    none left, the row has no tokens/s; a null MFU leaves MFU out."""
+    rows = [{"step": 1, "tokens_per_s": 100.0, "peak_mem_gib": 1.0},
+            {"step": 2, "tokens_per_s": 0.0, "peak_mem_gib": 1.0, "mfu": 0.1},
+            {"step": 3, "tokens_per_s": 300.0, "peak_mem_gib": 1.0, "mfu": None}]
+    _write(tmp_path, rows)
+    out = script_module("bench_memory")._read_metrics(str(tmp_path))
+    assert out["tokens_per_s"] == pytest.approx(300.0) and "mfu" not in out
+    _write(tmp_path, rows[:2])
+    out = script_module("bench_memory")._read_metrics(str(tmp_path))
+    assert "tokens_per_s" not in out and out["steps"] == 2

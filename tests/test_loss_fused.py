@@ -382,6 +382,20 @@ def test_liger_chunks_at_most_liger_chunk_tokens(n, vocab, hidden):
     assert _loss_impl.liger_chunking(old, n, vocab, hidden) == {}
 
 
+def test_liger_chunk_tokens_not_a_power_of_2(monkeypatch):
+    """A LIGER_CHUNK_TOKENS that is not a power of 2 caps the chunks at the power of 2 below it
+    (Liger's chunks are powers of 2: 3,000 would otherwise let 4,096-token chunks through)."""
+    def takes(*a, chunk_mem_const=1, **k):
+        return None
+
+    monkeypatch.setattr(_loss_impl, "LIGER_CHUNK_TOKENS", 3000)
+    for n, vocab, hidden in ((14492, 167563, 2552), (32768, 151936, 1024), (5000, 151936, 1024)):
+        kw = _loss_impl.liger_chunking(takes, n, vocab, hidden)
+        got = _liger_chunk(n, vocab, hidden, kw.get("chunk_mem_const", 1))
+        assert got <= max(2048, _liger_chunk(n, vocab, hidden)), (n, vocab, hidden, got)
+        assert kw and got == 2048, (n, vocab, hidden, kw, got)
+
+
 def test_liger_called_with_its_chunking():
     """cp_linear_cross_entropy passes liger_chunking's arguments for its shapes to Liger."""
     from unittest import mock
