@@ -628,3 +628,15 @@ def test_selective_keeps_fa4s_output(fakes, monkeypatch, mode, fwd_calls):
     assert calls == fwd_calls, (mode, fa4_utils.CALLS)
     for a, b in zip(grads["none"], grads[mode], strict=True):
         assert torch.equal(a, b), mode
+
+
+def test_fa4_op_fake_is_contiguous_and_checks():
+    """cp_rope::fa4_varlen_fwd's fake (meta tensors) gives the kernel's layouts: a contiguous
+    [T, H, D] output whatever q's strides (empty_like kept a permuted q's), and an [H, T]
+    float32 LSE."""
+    q = torch.empty(3, 8, 16, device="meta").permute(1, 0, 2)  # [8, 3, 16], not contiguous
+    k = v = torch.empty(8, 1, 16, device="meta")
+    cu = torch.tensor([0, 5, 8], dtype=torch.int32, device="meta")
+    out, lse = torch.ops.cp_rope.fa4_varlen_fwd(q, k, v, cu, cu, 5, 5, True, 0.25, None, None, None)
+    assert out.shape == (8, 3, 16) and out.is_contiguous()
+    assert lse.shape == (3, 8) and lse.dtype == torch.float32
