@@ -4,6 +4,7 @@ torch loop, or Liger-Kernel's fused linear cross-entropy (``impl``, one of
 
 from __future__ import annotations
 
+import functools
 import inspect
 
 import torch
@@ -51,11 +52,16 @@ def liger_chunking(fn, n_tokens: int, vocab: int, hidden: int) -> dict:
         return {}
     k = -(-n_tokens // (1 << (LIGER_CHUNK_TOKENS.bit_length() - 1)))  # a power of 2, <= L
     c = -(-vocab // hidden) if k == 1 else -(-vocab // (hidden * (k - 1))) - 1
+    return {"chunk_mem_const": int(c)} if c >= 2 and _takes_chunk_mem_const(fn) else {}
+
+
+@functools.lru_cache(maxsize=8)
+def _takes_chunk_mem_const(fn) -> bool:
+    """Whether Liger's ``fn`` has the parameter (read once per function, not once per step)."""
     try:
-        takes = "chunk_mem_const" in inspect.signature(fn).parameters
+        return "chunk_mem_const" in inspect.signature(fn).parameters
     except (TypeError, ValueError):  # no signature to read: Liger's default
-        takes = False
-    return {"chunk_mem_const": int(c)} if takes and c >= 2 else {}
+        return False
 
 
 def liger_missing() -> str | None:

@@ -212,11 +212,11 @@ def main(argv: list[str] | None = None) -> dict:
                **analyse(prof.profiler.kineto_results.events(), a.record)}
         print(json.dumps(out), flush=True)
         if a.table:
-            if a.sort == "device" and not torch.cuda.is_available():
+            by_device = a.sort == "device" and torch.cuda.is_available()
+            if a.sort == "device" and not by_device:
                 print("profile_trainer: --sort device on a machine without a GPU: no device "
                       "times to order by; ordered by host time", flush=True)
-            key = ("self_device_time_total" if a.sort == "device" and torch.cuda.is_available()
-                   else "self_cpu_time_total")
+            key = "self_device_time_total" if by_device else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.table,
                                             max_name_column_width=60), flush=True)
         if a.trace:

@@ -630,7 +630,7 @@ def test_selective_keeps_fa4s_output(fakes, monkeypatch, mode, fwd_calls):
         assert torch.equal(a, b), mode
 
 
-def test_fa4_op_fake_is_contiguous_and_checks():
+def test_fa4_op_fake_is_contiguous():
     """cp_rope::fa4_varlen_fwd's fake (meta tensors) gives the kernel's layouts: a contiguous
     [T, H, D] output whatever q's strides (empty_like kept a permuted q's), and an [H, T]
     float32 LSE."""
