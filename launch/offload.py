@@ -10,7 +10,12 @@ Three pieces, applied to each decoder layer by :func:`wrap_layer` (which
   forward and replayed in the recomputation instead of being computed again
   (:func:`selective_context`, torch's selective-checkpoint idea: a
   ``TorchDispatchMode`` pair given as ``context_fn``). Norms, projections, RoPE
-  and the MLP are recomputed; attention, quadratic in the sequence, is not.
+  and the MLP are recomputed; attention, quadratic in the sequence, is not. With
+  offload, a tiled MLP's output (``[T, d]``, to host memory) is kept too, with the RNG
+  state its tiles left: its node recomputes its tiles in its own backward, so
+  recomputing them with the layer would be a third forward of the MLP, for an output
+  only what follows it in the layer reads (without offload it is recomputed: kept, it
+  would add about half to what selective keeps on the GPU).
 * ``offload=True`` (:class:`ActivationOffloader`): whatever a layer keeps for
   its backward (its inputs under checkpointing, the kept attention outputs, or
   every saved tensor without checkpointing) is copied to pinned host memory on
@@ -36,8 +41,10 @@ from torch.utils._python_dispatch import TorchDispatchMode  # torch's own SAC is
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-__all__ = ["CHECKPOINT_MODES", "ATTENTION_OPS", "ActivationOffloader", "selective_context",
-           "wrap_layer", "is_attention_op", "checkpoint_flag_argv"]
+from cp_rope.parallel._tiled_mlp import tiled_output_hook
+
+__all__ = ["CHECKPOINT_MODES", "ATTENTION_OPS", "TILED_MLP_OUTPUT", "ActivationOffloader",
+           "selective_context", "wrap_layer", "is_attention_op", "checkpoint_flag_argv"]
 
 CHECKPOINT_MODES = ("none", "full", "selective")
 
@@ -50,6 +57,11 @@ ATTENTION_OPS = (
 )
 """Operators whose outputs ``selective`` keeps (every attention forward kernel a block backend of
 :mod:`cp_rope.parallel` or transformers' SDPA calls)."""
+
+TILED_MLP_OUTPUT = "cp_rope tiled MLP output"
+"""What ``selective`` with offload also keeps: a tiled MLP's output
+(:func:`cp_rope.parallel.tiled_mlp`), so that the recomputation does not run its tiles (the
+tiled node recomputes them in its own backward)."""
 
 
 def checkpoint_flag_argv(argv: list[str]) -> list[str]:
@@ -215,19 +227,48 @@ class ActivationOffloader:
 
 
 # --------------------------------------------------------------------------- selective
-class _KeepAttention(TorchDispatchMode):
-    """Forward of a selectively checkpointed layer: keep a copy of each attention op's outputs."""
+class _SelectiveMode(TorchDispatchMode):
+    """One side of a selectively checkpointed layer; while active it is also the tiled MLP nodes'
+    output hook (:func:`~cp_rope.parallel._tiled_mlp.tiled_output_hook`)."""
 
     def __init__(self, kept: deque, offloader: ActivationOffloader | None):
         super().__init__()
-        self.kept, self.offloader = kept, offloader
+        self.kept, self.offloader, self._hooks, self._in_tiles = kept, offloader, [], False
+
+    def __enter__(self):  # the tiled MLP's output is kept only with an offloader
+        hook = tiled_output_hook(self._tiled_output) if self.offloader is not None else \
+            contextlib.nullcontext()
+        hook.__enter__()
+        self._hooks.append(hook)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            self._hooks.pop().__exit__(None, None, None)
+
+
+class _KeepAttention(_SelectiveMode):
+    """Forward of a selectively checkpointed layer: keep a copy of each attention op's outputs
+    and of each tiled MLP's output."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if is_attention_op(func):
+        if is_attention_op(func) and not self._in_tiles:  # the replay skips the tiles' ops
             self.kept.append((func, tree_map(self._keep, out)))
         return out
 
+    def _tiled_output(self, compute):
+        self._in_tiles = True
+        try:
+            out = compute()
+        finally:
+            self._in_tiles = False
+        # with the RNG states after the tiles: the replay skips their draws (a dropout in the
+        # MLP), and a random op later in the layer must draw what it drew in forward
+        self.kept.append((TILED_MLP_OUTPUT, (self._keep(out), _rng_states(out.device))))
+        return out
 
     def _keep(self, t):
         if not isinstance(t, torch.Tensor):
@@ -240,24 +281,38 @@ class _KeepAttention(TorchDispatchMode):
         return t
 
 
-class _ReplayAttention(TorchDispatchMode):
-    """Recomputation of a selectively checkpointed layer: attention ops return what was kept."""
-
-    def __init__(self, kept: deque, offloader: ActivationOffloader | None):
-        super().__init__()
-        self.kept, self.offloader = kept, offloader
+class _ReplayAttention(_SelectiveMode):
+    """Recomputation of a selectively checkpointed layer: attention ops and tiled MLPs return
+    what was kept."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not is_attention_op(func):
             return func(*args, **(kwargs or {}))
-        if not self.kept or self.kept[0][0] is not func:
-            raise RuntimeError(f"selective activation checkpointing: the recomputation called {func} "
-                               "where the forward had no such attention call (a forward that "
-                               "depends on state that changed between forward and backward?)")
+        return self._replay(func)
+
+    def _tiled_output(self, compute):
+        out, (cpu, device, state) = self._replay(TILED_MLP_OUTPUT)
+        torch.set_rng_state(cpu)
+        if state is not None:
+            getattr(torch, device.type).set_rng_state(state, device)
+        return out
+
+    def _replay(self, what):
+        if not self.kept or self.kept[0][0] is not what:
+            raise RuntimeError(f"selective activation checkpointing: the recomputation called {what} "
+                               "where the forward had no such call (a forward that depends on "
+                               "state that changed between forward and backward?)")
         _, out = self.kept.popleft()
         if self.offloader is None:
             return out
         return tree_map(lambda t: self.offloader.unpack(t) if isinstance(t, _Handle) else t, out)
+
+
+def _rng_states(device: torch.device) -> tuple:
+    """(CPU RNG state, ``device``, its generator's state or None): what the tiles left."""
+    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+    state = mod.get_rng_state(device) if mod is not None and hasattr(mod, "get_rng_state") else None
+    return torch.get_rng_state(), device, state
 
 
 def selective_context(offloader: ActivationOffloader | None = None):

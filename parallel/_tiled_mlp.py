@@ -16,6 +16,11 @@ parameter gradients leave through the autograd node's own outputs, so FSDP2's
 reduce-scatter hooks, gradient accumulation and tied weights behave as with an
 untiled module.
 
+Under activation checkpointing the layer's recomputation would run the tiles a third time
+for an output nothing in backward reads (the node recomputes its tiles itself):
+:func:`tiled_output_hook` lets the checkpointing keep the forward's output and hand it back in
+the recomputation instead (``selective`` in :mod:`cp_rope.launch.offload`).
+
 Like ``torch.utils.checkpoint`` (its ``preserve_rng_state`` and autocast handling), the
 backward recomputes under the autocast state of the forward (the autograd engine runs
 backward without it) and from the RNG state the forward started from (a dropout in ``fn``
@@ -25,12 +30,30 @@ draws the same masks again), restoring the caller's RNG state afterwards.
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import functools
 import numbers
 from collections.abc import Callable, Sequence
 
 import torch
 
-__all__ = ["tiled_mlp", "check_tile_tokens"]
+__all__ = ["tiled_mlp", "check_tile_tokens", "tiled_output_hook"]
+
+_OUTPUT_HOOK: contextvars.ContextVar = contextvars.ContextVar("cp_rope_tiled_output", default=None)
+
+
+@contextlib.contextmanager
+def tiled_output_hook(hook: Callable[[Callable[[], torch.Tensor]], torch.Tensor]):
+    """Within the ``with`` block (this thread), every tiled MLP node (:func:`tiled_mlp` with
+    autograd) produces its output as ``hook(compute)``, where ``compute()`` runs the tiles and
+    returns the output: a checkpointed layer's forward keeps what ``compute()`` returns, and its
+    recomputation returns that instead of calling ``compute`` (the node's backward recomputes the
+    tiles from its saved input either way, so the values are the same)."""
+    token = _OUTPUT_HOOK.set(hook)
+    try:
+        yield
+    finally:
+        _OUTPUT_HOOK.reset(token)
 
 
 def check_tile_tokens(tile_tokens, name: str = "tile_tokens") -> int:
@@ -81,7 +104,9 @@ class _TiledMLP(torch.autograd.Function):
         device = x.device.type != "cpu" and getattr(torch, x.device.type, None)
         ctx.rng_devices = [x.device] if device else []
         ctx.device_rng = device.get_rng_state(x.device) if device else None
-        return _tiles(fn, tile, dim, x)
+        hook = _OUTPUT_HOOK.get()
+        compute = functools.partial(_tiles, fn, tile, dim, x)
+        return compute() if hook is None else hook(compute)
 
     @staticmethod
     def backward(ctx, grad_out):

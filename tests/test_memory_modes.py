@@ -23,6 +23,7 @@ from cp_rope.launch.offload import (
     wrap_layer,
 )
 from cp_rope.launch.parallelize import apply_activation_checkpointing, checkpoint_mode
+from cp_rope.parallel import tiled_mlp
 
 MODES = [("none", True), ("full", False), ("full", True), ("selective", False), ("selective", True)]
 
@@ -33,13 +34,14 @@ def _grads(model: nn.Module, loss_fn) -> dict[str, torch.Tensor]:
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.parametrize("tile", [0, 16])
 @pytest.mark.parametrize("mode,offload", MODES)
-def test_native_model_modes_give_the_same_gradients(mode, offload):
+def test_native_model_modes_give_the_same_gradients(mode, offload, tile):
     """cp_rope's Transformer (float32: its RoPE kernel's widest dtype; reference attention, two
-    documents): gradients of every mode == no checkpointing, bit for bit; offload moved tensors
-    to host copies."""
+    documents), untiled and tiled MLP: gradients of every mode == no checkpointing, bit for bit;
+    offload moved tensors to host copies."""
     cfg = ModelConfig(dim=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_hidden_dim=48,
-                      vocab_size=50, max_seq_len=64)
+                      vocab_size=50, max_seq_len=64, mlp_tile_tokens=tile)
     torch.manual_seed(0)
     ids = torch.randint(0, 50, (41,))
     cu = torch.tensor([0, 19, 41], dtype=torch.int32)
@@ -113,6 +115,108 @@ def test_selective_replays_the_attention_kernels(offload):
         grads[mode] = [p.grad for p in stack.parameters()]
     assert calls == {"none": 2, "full": 4, "selective": 2}, calls
     for mode in ("full", "selective"):
+        for a, b in zip(grads["none"], grads[mode], strict=True):
+            assert torch.equal(a, b), mode
+
+
+class _CountingMLP(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.net, self.calls = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Linear(2 * d, d)), 0
+
+    def forward(self, h):
+        self.calls += 1
+        return self.net(h)
+
+
+class _TiledBlock(_SDPABlock):
+    """_SDPABlock with its MLP over tiles of 8 tokens, counting the tile forwards."""
+
+    def __init__(self, d=16):
+        super().__init__(d)
+        self.mlp = _CountingMLP(d)
+
+    def forward(self, x):
+        t, d = x.shape[-2:]
+        q, k, v = self.qkv(self.norm(x)).view(1, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        h = x + self.o(a.transpose(1, 2).reshape(1, t, d))
+        return h + tiled_mlp(self.mlp, h, 8, list(self.mlp.parameters()))
+
+
+@pytest.mark.parametrize("offload", [False, True])
+def test_selective_keeps_the_tiled_mlps_output(offload):
+    """A tiled MLP (3 tiles) runs its tiles twice per step without checkpointing (forward, its
+    backward), three times under full (the recomputation too) and under selective without
+    offload, twice under selective with offload, which keeps its output; the gradients equal
+    those without checkpointing, in float64."""
+    torch.manual_seed(0)
+    stacks = [nn.ModuleList(_TiledBlock().double() for _ in range(2)) for _ in range(3)]
+    for stack in stacks[1:]:
+        stack.load_state_dict(stacks[0].state_dict())
+    x = torch.randn(1, 24, 16, dtype=torch.float64)
+    calls, grads = {}, {}
+    for mode, stack in zip(("none", "full", "selective"), stacks, strict=True):
+        off = ActivationOffloader(min_bytes=0) if offload else None
+        for i, block in enumerate(stack):
+            wrap_layer(block, i, mode, off)
+        h = x
+        for block in stack:
+            h = block(h)
+        h.square().mean().backward()
+        calls[mode] = sum(b.mlp.calls for b in stack)
+        grads[mode] = [p.grad for p in stack.parameters()]
+    assert calls == {"none": 12, "full": 18, "selective": 12 if offload else 18}, calls
+    for mode in ("full", "selective"):
+        for a, b in zip(grads["none"], grads[mode], strict=True):
+            assert torch.equal(a, b), mode
+
+
+class _AttentionMLP(nn.Module):
+    """A position-wise fn with a dropout and an attention op over each row alone (a tile's fn may
+    call an attention op: the replay, which does not run the tiles, must not expect it)."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d, 2 * d), nn.SiLU(), nn.Dropout(0.3), nn.Linear(2 * d, d))
+
+    def forward(self, h):
+        r = h.float()[..., None]  # [1, T heads, d positions, 1]: attention within a row;
+        # float32, 4-D: SDPA's CPU flash kernel, one of ATTENTION_OPS (float64: the math path)
+        return self.net(h + F.scaled_dot_product_attention(r, r, r)[..., 0].to(h.dtype))
+
+
+class _DropoutBlock(nn.Module):
+    """A tiled _AttentionMLP, then a residual dropout."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.norm, self.mlp = nn.RMSNorm(d), _AttentionMLP(d)
+
+    def forward(self, x):
+        y = tiled_mlp(self.mlp, self.norm(x), 8, list(self.mlp.parameters()))
+        return x + F.dropout(y, 0.3, training=True)
+
+
+def test_selective_with_offload_replays_the_tiles_rng_draws():
+    """Selective + offload skips the tiles in the recomputation: the residual dropout after
+    them must still draw the forward's mask (the kept RNG state), and the attention op inside
+    a tile is not kept (the replay does not run the tiles); gradients == no checkpointing."""
+    grads = {}
+    for mode, offload in (("none", False), ("selective", True), ("full", True)):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(_DropoutBlock().double() for _ in range(2))
+        off = ActivationOffloader(min_bytes=0) if offload else None
+        for i, b in enumerate(blocks):
+            wrap_layer(b, i, mode, off)
+        x = torch.randn(1, 24, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+        torch.manual_seed(123)
+        h = x
+        for b in blocks:
+            h = b(h)
+        h.square().mean().backward()
+        grads[mode] = [p.grad for p in blocks.parameters()]
+    for mode in ("selective", "full"):
         for a, b in zip(grads["none"], grads[mode], strict=True):
             assert torch.equal(a, b), mode
 
