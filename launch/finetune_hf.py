@@ -57,7 +57,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 try:
     from cp_rope.hf import load_causal_lm, local_config
     from cp_rope.hf.moe import MoESpec, router_loss_spec
-    from cp_rope.hf.norms import LOW_PRECISION
+    from cp_rope.hf.norms import LOW_PRECISION, norm_kernel
 
     from .hf_model import HFCausalLM
 except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
@@ -109,7 +109,9 @@ class HFConfig:
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
     fused_norm: bool = True
-    """RMSNorms by PyTorch's fused rms_norm kernel in bf16 (cp_rope.hf.norms: no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
+    """RMSNorms by a fused kernel in bf16 (cp_rope.hf.norms: Liger-Kernel's RMSNorm on CUDA where liger-kernel is installed, else PyTorch's rms_norm; no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
+    fused_swiglu: bool = True
+    """SwiGLU MLPs (Llama, Mistral, Qwen2/3: down_proj(silu(gate_proj x) * up_proj x)) with the product by cp_rope's fused Triton kernel on CUDA (cp_rope.swiglu: gate and up kept instead of three tensors, tiled or not); --no-fused-swiglu keeps transformers' own."""
     mlp_tile_tokens: int = 0
     """Sequence-tiled MLP (ALST's TiledMLP) in every decoder layer: the MLP runs over tiles of this many tokens inside one autograd node, recomputed per tile in backward, so [tokens, intermediate_size] never exists whole; 0 = off. Same gradients."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"
@@ -230,7 +232,7 @@ def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:
     return HFCausalLM(lm.to(device), rope_kernel=fc.hf.rope_kernel, fused_loss=fc.hf.fused_loss,
                       loss_chunk_size=fc.hf.loss_chunk_size, mlp_tile_tokens=fc.hf.mlp_tile_tokens,
                       loss_impl=fc.parallel.loss_impl, fused_norm=fc.hf.fused_norm,
-                      router_aux=aux)
+                      fused_swiglu=fc.hf.fused_swiglu, router_aux=aux)
 
 
 def router_aux(hf_config, mode: str) -> MoESpec | None:
@@ -299,7 +301,9 @@ def main(argv: list[str] | None = None) -> dict:
                     files={"hf.model": model_files(fc.hf.model)})
         dtype = compute_dtype(cfg, tr.device.type)
         fused_norm = fc.hf.fused_norm and dtype in LOW_PRECISION
-        tr.log.write(f"RMSNorm: {'fused (torch rms_norm)' if fused_norm else 'transformers'}")
+        kernel = {"liger": "Liger-Kernel's RMSNorm", "torch": "torch rms_norm"}[
+            norm_kernel(tr.device.type)]
+        tr.log.write(f"RMSNorm: {f'fused ({kernel})' if fused_norm else 'transformers'}")
         try:
             try:
                 train_loop(tr)

@@ -49,13 +49,15 @@ class HFCausalLM(nn.Module):
 
     def __init__(self, lm: nn.Module, *, rope_kernel: bool = True, fused_loss: bool = True,
                  loss_chunk_size: int = 0, mlp_tile_tokens: int = 0, loss_impl: str = "auto",
-                 fused_norm: bool = True, router_aux: MoESpec | None = None):
+                 fused_norm: bool = True, fused_swiglu: bool = True,
+                 router_aux: MoESpec | None = None):
         super().__init__()
         self.lm, self.rope_kernel = lm, rope_kernel
         self.router_aux = router_aux  # None: no load-balancing loss
         self._aux_agreed, self._aux_log = False, None
         self.fused_loss, self.loss_chunk_size = fused_loss, loss_chunk_size
         self.mlp_tile_tokens, self.loss_impl, self.fused_norm = mlp_tile_tokens, loss_impl, fused_norm
+        self.fused_swiglu = fused_swiglu
         self.calibration = None  # configure_attention sets the CP cost model's constants
         self.cp_size, self.cp_rank = 1, 0
         self.compute_dtype: torch.dtype | None = None  # parallelize sets it (the plan's dtype)
@@ -82,7 +84,8 @@ class HFCausalLM(nn.Module):
                               "(set CP_ROPE_BACKEND=torch|triton to force one)")
         patch_model(self.lm, group=cp_group, method=cp_method, backend=attn_backend,
                     rope_kernel=self.rope_kernel, ulysses_size=ulysses_size,
-                    mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm)
+                    mlp_tile_tokens=self.mlp_tile_tokens or None, fused_norm=self.fused_norm,
+                    fused_swiglu=self.fused_swiglu)
         self.cp_size, self.cp_rank = self.lm.cp_rope_patch.cp_size, self.lm.cp_rope_patch.cp_rank
         self.calibration = calibration  # the CP cost model's constants, for every plan
 

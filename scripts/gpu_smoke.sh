@@ -167,7 +167,7 @@ chain pretrain_1b_mem cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4
   t=$(date +%s)
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_gpu.py tests/test_window_gpu.py \
     tests/test_rope_gpu.py tests/test_rope_positions.py tests/test_loss_fused.py \
-    tests/test_loss_model.py tests/test_plan_step.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_loss_model.py tests/test_plan_step.py tests/test_swiglu.py > "$OUT/gpu_tests.log" 2>&1
   record gpu_tests $? "$(tail -1 "$OUT/gpu_tests.log")" "$t"
 ) &
 FA4_PARTS=""

@@ -32,12 +32,14 @@ class ForwardHandle:
                 self.module.__dict__.pop(name, None)
 
 
-def check_forward(modules: Sequence[nn.Module], func: Callable, what: str) -> None:
+def check_forward(modules: Sequence[nn.Module], func: Callable | tuple[Callable, ...],
+                  what: str) -> None:
     """ValueError naming ``what`` (the option that asks for ``func``) when a module already has
-    an instance-level ``forward`` other than ``func`` bound to it."""
+    an instance-level ``forward`` other than ``func`` (or one of a tuple) bound to it."""
+    funcs = func if isinstance(func, tuple) else (func,)
     for m in modules:
         own = m.__dict__.get("forward")
-        if own is not None and getattr(own, "__func__", None) is not func:
+        if own is not None and getattr(own, "__func__", None) not in funcs:
             raise ValueError(f"{what}: {type(m).__name__} already has its own forward wrapper "
                              f"({own!r}), which this would discard: remove it first, or leave "
                              f"{what} off")

@@ -27,7 +27,15 @@ from .families import check_family
 from .norms import _fused_forward, fuse_rms_norms, rms_norm_modules
 from .plan import build_plan, check_passed_plan, check_rope_length
 from .rope import PackedRope, check_rope, check_rope_dtype, install_rope_dispatcher, packed_rope
-from .tiled_mlp import _tiled_forward, check_tile_tokens, mlp_modules, tile_mlps
+from .tiled_mlp import (
+    _swiglu_forward,
+    _tiled_forward,
+    check_tile_tokens,
+    fuse_mlps,
+    mlp_modules,
+    swiglu_mlps,
+    tile_mlps,
+)
 from .window import layer_windows
 
 __all__ = ["patch_model", "unpatch_model", "model_inputs", "cp_rope_attention", "PackedRope",
@@ -160,7 +168,8 @@ def _family(model) -> tuple:
 def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = None,
                 method: str = "ring", backend: str = "auto", rope_kernel: bool = True,
                 ulysses_size: int | None = None,
-                mlp_tile_tokens: int | None = None, fused_norm: bool = True) -> PreTrainedModel:
+                mlp_tile_tokens: int | None = None, fused_norm: bool = True,
+                fused_swiglu: bool = True) -> PreTrainedModel:
     """Make ``model`` run packed rows with context parallelism over ``group`` (in place).
 
     Sets the attention implementation to ``"cp_rope"``, and with
@@ -186,6 +195,10 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
         fused_norm: run the family's RMSNorms with PyTorch's fused ``rms_norm`` on bf16/fp16
             inputs (:mod:`cp_rope.hf.norms`: no float32 copies kept for backward; one
             rounding instead of transformers' two); float32/float64 run unchanged.
+        fused_swiglu: run the product ``silu(gate_proj(x)) * up_proj(x)`` of the MLPs of that
+            form (:func:`cp_rope.hf.tiled_mlp.swiglu_mlps`: Llama, Mistral, Qwen2, Qwen3)
+            through :func:`cp_rope.swiglu.swiglu` (one fused kernel each way on CUDA; the
+            PyTorch expression on CPU and in float64), tiled or not.
 
     Returns: ``model`` itself (``model.cp_rope_patch`` holds the settings).
 
@@ -201,6 +214,7 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     module, attn_name, rotary_name = _family(model)
     rope_kernel = check_bool("rope_kernel", rope_kernel)
     fused_norm = check_bool("fused_norm", fused_norm)
+    fused_swiglu = check_bool("fused_swiglu", fused_swiglu)
     if mlp_tile_tokens is not None:
         check_tile_tokens(mlp_tile_tokens, "mlp_tile_tokens")
     method = check_choice("method", method, (*METHODS, AUTO))
@@ -237,8 +251,12 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
                                      or model.config.max_position_embeddings)
     if rope_kernel:
         patch.scalings, patch.rotary_dim = check_rope(rotaries[0], model.config)
+    # a re-patch replaces the old patch's MLP forward (tiled or fused), whichever it was
+    ours = (_tiled_forward, _swiglu_forward) if old is not None else ()
     if mlp_tile_tokens is not None:
-        check_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens")
+        check_forward(mlp_modules(model), (_tiled_forward, *ours), "mlp_tile_tokens")
+    elif fused_swiglu:
+        check_forward(swiglu_mlps(model), (_swiglu_forward, *ours), "fused_swiglu")
     if fused_norm:
         check_forward(rms_norm_modules(model, module), _fused_forward, "fused_norm")
     if rope_kernel:  # last: a family's own refusals above name what it cannot run at all
@@ -247,7 +265,9 @@ def patch_model(model: PreTrainedModel, *, group: dist.ProcessGroup | None = Non
     if old is not None:
         unpatch_model(model)
     if mlp_tile_tokens is not None:
-        patch._handles.extend(tile_mlps(model, mlp_tile_tokens))
+        patch._handles.extend(tile_mlps(model, mlp_tile_tokens, swiglu=fused_swiglu))
+    elif fused_swiglu:
+        patch._handles.extend(fuse_mlps(model))
     if fused_norm:
         patch._handles.extend(fuse_rms_norms(model, module))
     if rope_kernel:

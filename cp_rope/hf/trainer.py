@@ -272,7 +272,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             placement: str = "zigzag", split_threshold: int | None = None,
             fused_loss: bool = True, loss_chunk_size: int | None = None,
             loss_impl: str = "auto", fused_norm: bool = True,
-            mlp_tile_tokens: int | None = None):
+            mlp_tile_tokens: int | None = None, fused_swiglu: bool = True):
     """Make a built ``transformers.Trainer`` (or subclass: TRL's ``SFTTrainer``) train with
     packed context parallelism over ``cp_size`` ranks (module docstring). Call it on every
     rank, with the same arguments, after the trainer is built and before ``train()``.
@@ -284,8 +284,8 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
             (TRL's ``packing=True`` / ``padding_free=True``, ``DataCollatorWithFlattening``),
             padded ones with ``position_ids``, or cp_rope's ``PackingCollator``.
         cp_size: ranks that share one packed row; must divide the Trainer's world size.
-        method, backend, rope_kernel, ulysses_size, fused_norm, mlp_tile_tokens: as
-            :func:`cp_rope.hf.patch_model`.
+        method, backend, rope_kernel, ulysses_size, fused_norm, mlp_tile_tokens,
+            fused_swiglu: as :func:`cp_rope.hf.patch_model`.
         placement, split_threshold: how a row is cut over the CP ranks (``"zigzag"``, or
             ``"per_document"`` with short documents whole on one rank;
             :class:`~cp_rope.parallel.PackingCollator`).
@@ -371,7 +371,7 @@ def prepare(trainer, *, cp_size: int, method: str = "ring", backend: str = "auto
     # patch_model checks everything before it changes the model; the same model on every rank
     patch_model(trainer.model, group=cp_group, method=method, backend=backend,
                 rope_kernel=rope_kernel, ulysses_size=ulysses_size, fused_norm=fused_norm,
-                mlp_tile_tokens=mlp_tile_tokens)
+                mlp_tile_tokens=mlp_tile_tokens, fused_swiglu=fused_swiglu)
     install_loss_forward(trainer.model, **loss_kwargs)
     trainer.data_collator = collator
     trainer.cp_rope = state
