@@ -196,3 +196,32 @@ def test_a_refused_repatch_leaves_the_previous_patch_in_place():
         H.patch_model(model, mlp_tile_tokens=8)
     assert model.cp_rope_patch is before and model.config._attn_implementation == "cp_rope"
     assert model.model.norm.__dict__["forward"] is forwards["model.norm"]
+
+
+def test_liger_rms_norm_on_cuda_only_when_installed(monkeypatch):
+    """On CUDA tensors the fused forward runs Liger-Kernel's RMSNorm where it imports (its
+    "llama" casting, dY not overwritten), PyTorch's rms_norm elsewhere and without it."""
+    norms = importlib.import_module("cp_rope.hf.norms")
+    calls = []
+
+    class FakeLiger:
+        @staticmethod
+        def apply(x, w, eps, offset, casting, in_place):
+            calls.append((offset, casting, in_place))
+            return torch.zeros_like(x)
+
+    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
+    assert norms.liger_rms_norm("cpu") is None and norms.norm_kernel("cpu") == "torch"
+    assert norms.liger_rms_norm("cuda") is FakeLiger and norms.norm_kernel("cuda") == "liger"
+    monkeypatch.setattr(norms, "_LIGER_NORM", [None])  # missing or broken
+    assert norms.norm_kernel("cuda") == "torch"
+    # the forward asks by the input's device: a CPU tensor never reaches Liger
+    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
+    module, cls = _norm_class("qwen3")
+    norm = cls(16).to(torch.bfloat16)
+    fuse_rms_norms(norm, module)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    assert not torch.equal(norm(x), torch.zeros_like(x)) and calls == []
+    monkeypatch.setattr(norms, "liger_rms_norm", lambda device_type: FakeLiger)
+    assert torch.equal(norm(x), torch.zeros_like(x))
+    assert calls == [(0.0, "llama", False)]
