@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> dict:
     created, _ = setup_distributed(cfg, store)
     try:
         tr = set_up(cfg, build=lambda run_cfg, device: build_model(_memory_knobs(fc, run_cfg), device),
-                    memory_shapes=Shapes.from_hf_dir(fc.hf.model), program="finetune_hf",
+                    memory_shapes=Shapes.from_hf_dir(fc.hf.model, fused_swiglu=fc.hf.fused_swiglu), program="finetune_hf",
                     extra={"hf": dataclasses.asdict(fc.hf)},  # agreed, in config.json
                     files={"hf.model": model_files(fc.hf.model)})
         dtype = compute_dtype(cfg, tr.device.type)

@@ -9,7 +9,11 @@ from dataclasses import dataclass
 
 from .config import ConfigError, ModelConfig, head_dim_of
 
-__all__ = ["Shapes"]
+__all__ = ["Shapes", "SWIGLU_FAMILIES"]
+
+SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""model_types whose dense MLP has Linear ``gate_proj`` / ``up_proj`` / ``down_proj`` around
+``act_fn`` (Phi3 fuses ``gate_up_proj``; Gemma's activation is GELU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,6 +46,11 @@ class Shapes:
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window W (a query sees W keys; None: a full layer); empty: every
     layer full. The windowed ring receives only the keys a window reaches."""
+    fused_swiglu: bool = False
+    """The dense MLPs' ``silu(gate) * up`` runs cp_rope's fused SwiGLU (:mod:`cp_rope.swiglu`,
+    on CUDA), which keeps ``gate`` and ``up`` but no ``silu(gate)``: one ``[T, ffn]`` tensor
+    per layer less than PyTorch's eager product. True for cp_rope's Transformer and the
+    families whose MLPs :func:`cp_rope.hf.tiled_mlp.swiglu_mlps` fuses."""
 
     @property
     def n_moe(self) -> int:
@@ -105,12 +114,16 @@ class Shapes:
     def from_model_config(cls, m: ModelConfig) -> Shapes:
         """cp_rope's Transformer (vocab_size 0: the byte tokenizer's 320)."""
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
-                   head_dim=head_dim_of(m), ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320)
+                   head_dim=head_dim_of(m), ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320,
+                   fused_swiglu=True)
 
     @classmethod
-    def from_hf_dir(cls, path: str) -> Shapes:
+    def from_hf_dir(cls, path: str, *, fused_swiglu: bool = True) -> Shapes:
         """A transformers ``config.json``, read by :func:`cp_rope.hf.local_config` (a family
         ``cp_rope.hf`` supports; never downloads): the shapes, the experts, the windows.
+        ``fused_swiglu`` (finetune_hf's ``--fused-swiglu``) holds where the family's dense
+        MLPs are ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (:data:`SWIGLU_FAMILIES`,
+        ``hidden_act`` silu, no experts).
 
         Raises: ConfigError naming ``model`` (no config.json; an unsupported model_type, with
         the supported families; transformers not installed).
@@ -143,7 +156,10 @@ class Shapes:
                    expert_ffn=getattr(c, "moe_intermediate_size", None) or 0 if experts else 0,
                    moe_layers=sum(1 for i in range(n) if i not in (dense or ())
                                   and (i + 1) % step == 0) if experts else None,
-                   expert_bias=bool(experts) and c.model_type == "gpt_oss", windows=windows)
+                   expert_bias=bool(experts) and c.model_type == "gpt_oss", windows=windows,
+                   fused_swiglu=fused_swiglu and not experts
+                   and c.model_type in SWIGLU_FAMILIES
+                   and getattr(c, "hidden_act", None) in ("silu", "swish"))
 
 
 def _check_hf_config(path: str, c) -> None:

@@ -28,7 +28,8 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
 * optimizer: AdamW's two fp32 moments, ``8P/N``;
 * saved activations: per token per layer, what autograd keeps (counted from
   the operators: norms keep their input, linears theirs, attention q, k, v, its
-  output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors (a MoE token: of each
+  output and fp32 LSE, an untiled SwiGLU four ``[T, ffn]`` tensors (three with cp_rope's fused
+  SwiGLU, ``Shapes.fused_swiglu``: no ``silu(w1 x)``; a MoE token: of each
   of its ``num_experts_per_tok`` experts, and the router's probabilities); ``full``
   keeps the layer input, ``selective`` the input, attention output and LSE, and with
   offload a tiled MLP's output);
@@ -64,7 +65,9 @@ within 10 %: ``--preset 1b`` none at 65,536 tokens (+0.4 %), full at 131,072 /
 selective + tiled at 262,144 (+0.8 %), full + offload + tiled at 1,048,576 (-0.1 %).
 Since selective + offload + tiled keeps the tiled MLP's output (launch/offload.py), its
 estimates against those peaks (measured before) are -6.6 / +6.5 % (1b) and +0.9 / +1.6 %
-(Qwen3): those peaks are to be measured again.
+(Qwen3): those peaks are to be measured again. Every peak above was measured with PyTorch's
+eager SwiGLU product (``Shapes.fused_swiglu`` False); with cp_rope's fused SwiGLU the Qwen3
+shape's none at 32,768 peaked at 16.5 GiB on an H100 (round 11; estimate +2.3 %).
 """
 
 from __future__ import annotations
@@ -129,10 +132,9 @@ def _per_token_layer(s: Shapes, mode: str, tiled: bool, offload: bool) -> tuple[
         everything += 2 * (q + kv)
     if s.n_moe:  # the router's fp32 probabilities, each token's copies for its experts
         everything += 4 * s.n_experts + 2 * s.experts_per_tok * d
-    if not tiled:  # w1 x, w3 x, silu(w1 x), their product (a MoE token: of each of its experts).
-        # On CUDA the fused SwiGLU (cp_rope.swiglu) keeps no silu(w1 x): one [T, F] less, not
-        # counted here (its calibration peaks, tests/test_plan_memory.py, predate it: over, not under)
-        everything += 2 * 4 * s.act_ffn
+    if not tiled:  # w1 x, w3 x, silu(w1 x), their product (a MoE token: of each of its experts);
+        # the fused SwiGLU (cp_rope.swiglu) keeps no silu(w1 x)
+        everything += 2 * (3 if s.fused_swiglu else 4) * s.act_ffn
     kept = {"none": everything, "full": 2 * d, "selective": 2 * d + 2 * q + lse}[mode]
     if mode == "selective" and tiled and offload:  # the tiled MLP's output (launch/offload.py)
         kept += 2 * d

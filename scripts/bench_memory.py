@@ -247,11 +247,12 @@ def _predict(rows: list[dict], work: str) -> None:
     from cp_rope.launch.config import preset
     from cp_rope.launch.plan_memory import GIB, Shapes, estimate
 
-    shapes = {"hf": Shapes.from_hf_dir(f"{work}/qwen3"),
-              "1b": Shapes.from_model_config(preset("1b").model)}
     for r in rows:
         flags = [] if r["flags"] == "(defaults)" else r["flags"].split()
-        est = estimate(shapes[r["group"]], _settings(flags), tokens=r["tokens"],
+        shapes = (Shapes.from_hf_dir(f"{work}/qwen3",
+                                     fused_swiglu="--no-fused-swiglu" not in flags)
+                  if r["group"] == "hf" else Shapes.from_model_config(preset("1b").model))
+        est = estimate(shapes, _settings(flags), tokens=r["tokens"],
                        doc_len=16384 if r["group"] == "hf" else r["tokens"])
         r["predicted_gib"] = est["total"] / GIB
         if "later_peak_gib" in r:
