@@ -12,7 +12,9 @@ MLP (:func:`cp_rope.parallel.tiled_mlp`) each tile runs its forward once in the
 forward and once more in the tiled node's backward (a third time where checkpointing
 recomputes the layer: full, or selective without offload), and its backward once.
 
-Numerics are PyTorch's eager ones for ``F.silu(gate) * up`` in the input dtype:
+Numerics follow PyTorch's eager ``F.silu(gate) * up`` in the input dtype, rounding where it
+rounds (values within an ulp of eager's, not bit for bit: the kernel's ``a * sigmoid(a)``
+and eager's ``a / (1 + exp(-a))`` differ in float32's last bit):
 ``silu`` computed in float32 and rounded to the dtype, then the product rounded; in
 backward ``d_up = round(d_out * round(silu(gate)))`` and
 ``d_gate = round(round(d_out * up) * s * (1 + gate * (1 - s)))`` with
@@ -29,6 +31,7 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.autograd import forward_ad
 
 from cp_rope.ops import resolve_backend
 
@@ -102,6 +105,12 @@ def _functorch_wrapped(*tensors: torch.Tensor) -> bool:
     return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
 
 
+def _dual(*tensors: torch.Tensor) -> bool:
+    """Whether one of ``tensors`` carries a forward-mode tangent (``torch.autograd.forward_ad``):
+    the kernel has no jvp, so those run the PyTorch expression (which propagates it)."""
+    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
 class _SwiGLU(torch.autograd.Function):
     """Autograd for the kernel: keeps ``gate`` and ``up``, recomputes ``silu`` in backward."""
 
@@ -135,9 +144,10 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
             floating dtypes take the PyTorch expression); the gate projection ``x W``.
         up: the up projection ``x V``, same shape, dtype and device as ``gate``.
         backend: ``"auto"`` (the Triton kernel on CUDA tensors, PyTorch on CPU; or
-            ``$CP_ROPE_BACKEND``), ``"triton"`` or ``"torch"``. Under ``torch.compile`` and
-            ``torch.func`` transforms (``vmap``, ``grad``) the PyTorch expression runs
-            (Inductor fuses it itself).
+            ``$CP_ROPE_BACKEND``), ``"triton"`` or ``"torch"``. Under ``torch.compile``,
+            ``torch.func`` transforms (``vmap``, ``grad``) and for forward-mode dual tensors
+            (``torch.autograd.forward_ad``) the PyTorch expression runs (Inductor fuses it
+            itself).
 
     Returns: ``[..., F]`` in the input dtype (contiguous from the kernel); differentiable in
     both inputs (with ``create_graph=True`` the backward runs the same formula in PyTorch
@@ -157,7 +167,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
                          f"{up.dtype} {up.device} against {tuple(gate.shape)} {gate.dtype} "
                          f"{gate.device}")
     if (resolve_backend(backend, gate.device) == "torch" or gate.dtype not in SWIGLU_DTYPES
-            or torch.compiler.is_compiling() or _functorch_wrapped(gate, up)):
+            or torch.compiler.is_compiling() or _functorch_wrapped(gate, up)
+            or _dual(gate, up)):
         return F.silu(gate) * up
     if not gate.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', "

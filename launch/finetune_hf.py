@@ -65,6 +65,8 @@ except ImportError as _exc:  # no transformers: the command says how to install 
         print(f"error: {_exc}", file=sys.stderr)
         raise SystemExit(2) from None
     raise
+from cp_rope.ops import resolve_backend
+
 from .cli import check_eval_flags, plain_text, run_cli
 from .config import (
     ConfigError,
@@ -304,6 +306,10 @@ def main(argv: list[str] | None = None) -> dict:
         kernel = {"liger": "Liger-Kernel's RMSNorm", "torch": "torch rms_norm"}[
             norm_kernel(tr.device.type)]
         tr.log.write(f"RMSNorm: {f'fused ({kernel})' if fused_norm else 'transformers'}")
+        swiglu_impl = ("transformers" if not fc.hf.fused_swiglu else
+                       "cp_rope's fused kernel" if resolve_backend("auto", tr.device) == "triton"
+                       else "cp_rope.swiglu, PyTorch expression (no CUDA)")
+        tr.log.write(f"SwiGLU MLPs (silu(gate) * up): {swiglu_impl}")
         try:
             try:
                 train_loop(tr)

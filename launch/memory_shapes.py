@@ -11,9 +11,10 @@ from .config import ConfigError, ModelConfig, head_dim_of
 
 __all__ = ["Shapes", "SWIGLU_FAMILIES"]
 
-SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+SWIGLU_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3_text")
 """model_types whose dense MLP has Linear ``gate_proj`` / ``up_proj`` / ``down_proj`` around
-``act_fn`` (Phi3 fuses ``gate_up_proj``; Gemma's activation is GELU)."""
+``act_fn`` (Phi3 fuses ``gate_up_proj``); :func:`cp_rope.hf.tiled_mlp.swiglu_mlps` fuses
+those whose activation is SiLU (Gemma's default is GELU)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,9 @@ class Shapes:
     """The dense MLPs' ``silu(gate) * up`` runs cp_rope's fused SwiGLU (:mod:`cp_rope.swiglu`,
     on CUDA), which keeps ``gate`` and ``up`` but no ``silu(gate)``: one ``[T, ffn]`` tensor
     per layer less than PyTorch's eager product. True for cp_rope's Transformer and the
-    families whose MLPs :func:`cp_rope.hf.tiled_mlp.swiglu_mlps` fuses."""
+    dense families whose MLPs :func:`cp_rope.hf.tiled_mlp.swiglu_mlps` fuses; False for a
+    mixture of experts (its dense layers are fused too, but the model counts every layer at
+    the widest kind, so it keeps the eager count: an estimate over, not under)."""
 
     @property
     def n_moe(self) -> int:
@@ -123,7 +126,7 @@ class Shapes:
         ``cp_rope.hf`` supports; never downloads): the shapes, the experts, the windows.
         ``fused_swiglu`` (finetune_hf's ``--fused-swiglu``) holds where the family's dense
         MLPs are ``down_proj(silu(gate_proj(x)) * up_proj(x))`` (:data:`SWIGLU_FAMILIES`,
-        ``hidden_act`` silu, no experts).
+        ``hidden_act`` / Gemma's ``hidden_activation`` silu, no experts).
 
         Raises: ConfigError naming ``model`` (no config.json; an unsupported model_type, with
         the supported families; transformers not installed).
@@ -159,7 +162,8 @@ class Shapes:
                    expert_bias=bool(experts) and c.model_type == "gpt_oss", windows=windows,
                    fused_swiglu=fused_swiglu and not experts
                    and c.model_type in SWIGLU_FAMILIES
-                   and getattr(c, "hidden_act", None) in ("silu", "swish"))
+                   and (getattr(c, "hidden_activation", None)
+                        or getattr(c, "hidden_act", None)) in ("silu", "swish"))
 
 
 def _check_hf_config(path: str, c) -> None:

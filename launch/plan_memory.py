@@ -357,6 +357,8 @@ def _shapes(args) -> Shapes:
         s = Shapes.from_model_config(PRESETS[args.preset]().model)
     if args.vocab_size:
         s = dataclasses.replace(s, vocab=args.vocab_size)
+    if not args.fused_swiglu:
+        s = dataclasses.replace(s, fused_swiglu=False)
     return s
 
 
@@ -397,6 +399,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--mlp-tile-tokens", type=int, default=None,
                    help="tokens per MLP tile, 0 = untiled (default: chosen, 0 or 8192; with "
                    "--activation-checkpointing: 0)")
+    p.add_argument("--fused-swiglu", action=argparse.BooleanOptionalAction, default=True,
+                   help="the MLPs run cp_rope's fused SwiGLU, one [T, ffn] tensor less kept "
+                   "per untiled layer (default: on, as the trainers on CUDA; finetune_hf "
+                   "--no-fused-swiglu turns it off)")
     p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction,
                    help="the chunked fused loss (default: chosen; with "
                    "--activation-checkpointing: on)")

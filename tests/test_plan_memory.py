@@ -179,17 +179,25 @@ def test_fused_swiglu_keeps_one_ffn_tensor_less_and_matches_round_11s_peak():
 
 @pytest.mark.parametrize("model_type,act,experts,fused", [
     ("qwen3", "silu", 0, True), ("llama", "silu", 0, True), ("qwen3", "gelu", 0, False),
-    ("phi3", "silu", 0, False), ("qwen3_moe", "silu", 8, False)])
+    ("phi3", "silu", 0, False), ("qwen3_moe", "silu", 8, False), ("gemma2", "silu", 0, True),
+    ("gemma2", "gelu_pytorch_tanh", 0, False)])
 def test_from_hf_dir_says_whether_the_mlp_is_fused(tmp_path, model_type, act, experts, fused):
+    """As cp_rope.hf.tiled_mlp.swiglu_mlps fuses (Gemma's activation is hidden_activation);
+    a mixture of experts keeps the eager count (over, not under); plan_memory's
+    --no-fused-swiglu, as finetune_hf's, gives the eager count."""
     pytest.importorskip("transformers")
     cfg = dict(model_type=model_type, hidden_size=64, num_hidden_layers=2,
                num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
-               vocab_size=256, hidden_act=act)
+               vocab_size=256, hidden_act=act, hidden_activation=act)
     if experts:
         cfg.update(num_experts=experts, num_experts_per_tok=2, moe_intermediate_size=32)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     assert Shapes.from_hf_dir(str(tmp_path)).fused_swiglu is fused
     assert Shapes.from_hf_dir(str(tmp_path), fused_swiglu=False).fused_swiglu is False
+    argv = ["--model", str(tmp_path), "--seq-len", "4096", "--activation-checkpointing", "none"]
+    on, off = main(argv), main(argv + ["--no-fused-swiglu"])
+    saved = 2 * 4096 * 2 * 128 if fused else 0  # 2 layers x T x 2 bytes x ffn
+    assert off["estimate"]["saved activations"] - on["estimate"]["saved activations"] == saved
 
 
 @pytest.mark.slow

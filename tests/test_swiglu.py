@@ -116,6 +116,24 @@ def test_double_backward_and_func_transforms(monkeypatch):
         swiglu(g, u, backend="triton")
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_forward_mode_ad_propagates_the_tangent(grad):
+    """A forward-mode dual input (torch.autograd.forward_ad) gets its tangent through: the
+    kernel has no jvp (before: the tangent was dropped, or NotImplementedError with grad)."""
+    import torch.autograd.forward_ad as fwAD
+
+    g, u = torch.randn(6, 5, requires_grad=grad), torch.randn(6, 5)
+    tg, tu = torch.randn(6, 5), torch.randn(6, 5)
+    with fwAD.dual_level():
+        got = fwAD.unpack_dual(swiglu(fwAD.make_dual(g, tg), fwAD.make_dual(u, tu),
+                                      backend="triton")).tangent
+    g64, u64 = g.detach().double(), u.detach().double()
+    s = torch.sigmoid(g64)
+    want = s * (1 + g64 * (1 - s)) * tg.double() * u64 + g64 * s * tu.double()
+    assert got is not None
+    assert_close(got, want, dtype=torch.float32, name="tangent")
+
+
 def test_compiled_traces_the_expression():
     """Under torch.compile the PyTorch expression is traced (no graph break)."""
     fn = torch.compile(lambda a, b: swiglu(a, b, backend="triton"), fullgraph=True,
