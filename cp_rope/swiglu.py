@@ -13,9 +13,10 @@ forward and once more in the tiled node's backward (a third time where checkpoin
 recomputes the layer: full, or selective without offload), and its backward once.
 
 Numerics follow PyTorch's eager ``F.silu(gate) * up`` in the input dtype, rounding where it
-rounds (values within an ulp of eager's, not bit for bit: the kernel's ``a * sigmoid(a)``
-and eager's ``a / (1 + exp(-a))`` differ in float32's last bit):
-``silu`` computed in float32 and rounded to the dtype, then the product rounded; in
+rounds: ``silu`` computed in float32 and rounded to the dtype (within an ulp of eager's: the
+kernel's ``a * sigmoid(a)`` and eager's ``a / (1 + exp(-a))`` differ in float32's last bit,
+which moves the rounding of a silu near a midpoint), then the product rounded (equal to
+eager's wherever the silus are, else up to two ulps from it); in
 backward ``d_up = round(d_out * round(silu(gate)))`` and
 ``d_gate = round(round(d_out * up) * s * (1 + gate * (1 - s)))`` with
 ``s = sigmoid(gate)`` in float32 (the derivative of ``x * sigmoid(x)``).

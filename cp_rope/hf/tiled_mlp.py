@@ -59,12 +59,10 @@ def tile_mlps(model: nn.Module, tile_tokens: int, *, swiglu: bool = False
     ``forward`` (a wrapper installed by something else), which tiling would discard.
     """
     tile = check_tile_tokens(tile_tokens, "mlp_tile_tokens")
-    mlps = mlp_modules(model)
-    fused = {id(m) for m in swiglu_mlps(model)} if swiglu else set()
-    handles = install_forward(mlps, _tiled_forward, "mlp_tile_tokens", cp_rope_tile_tokens=tile,
-                              cp_rope_swiglu=False)
-    for m in mlps:
-        m.cp_rope_swiglu = id(m) in fused
+    handles = install_forward(mlp_modules(model), _tiled_forward, "mlp_tile_tokens",
+                              cp_rope_tile_tokens=tile, cp_rope_swiglu=False)
+    for m in swiglu_mlps(model) if swiglu else ():
+        m.cp_rope_swiglu = True
     return handles
 
 
