@@ -41,7 +41,7 @@ from torch.utils._python_dispatch import TorchDispatchMode  # torch's own SAC is
 from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import checkpoint
 
-from cp_rope.parallel._tiled_mlp import rng_state, set_rng_state, tiled_output_hook
+from cp_rope.parallel._tiled_mlp import tiled_output_hook
 
 __all__ = ["CHECKPOINT_MODES", "ATTENTION_OPS", "TILED_MLP_OUTPUT", "ActivationOffloader",
            "selective_context", "wrap_layer", "is_attention_op", "checkpoint_flag_argv"]
@@ -267,7 +267,7 @@ class _KeepAttention(_SelectiveMode):
             self._in_tiles = False
         # with the RNG states after the tiles: the replay skips their draws (a dropout in the
         # MLP), and a random op later in the layer must draw what it drew in forward
-        self.kept.append((TILED_MLP_OUTPUT, (self._keep(out), rng_state(out.device))))
+        self.kept.append((TILED_MLP_OUTPUT, (self._keep(out), _rng_states(out.device))))
         return out
 
     def _keep(self, t):
@@ -291,8 +291,10 @@ class _ReplayAttention(_SelectiveMode):
         return self._replay(func)
 
     def _tiled_output(self, compute):
-        out, rng = self._replay(TILED_MLP_OUTPUT)
-        set_rng_state(rng)
+        out, (cpu, device, state) = self._replay(TILED_MLP_OUTPUT)
+        torch.set_rng_state(cpu)
+        if state is not None:
+            getattr(torch, device.type).set_rng_state(state, device)
         return out
 
     def _replay(self, what):
@@ -304,6 +306,13 @@ class _ReplayAttention(_SelectiveMode):
         if self.offloader is None:
             return out
         return tree_map(lambda t: self.offloader.unpack(t) if isinstance(t, _Handle) else t, out)
+
+
+def _rng_states(device: torch.device) -> tuple:
+    """(CPU RNG state, ``device``, its generator's state or None): what the tiles left."""
+    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
+    state = mod.get_rng_state(device) if mod is not None and hasattr(mod, "get_rng_state") else None
+    return torch.get_rng_state(), device, state
 
 
 def selective_context(offloader: ActivationOffloader | None = None):

@@ -74,30 +74,13 @@ def _autocast_state(device_type: str) -> list[tuple[str, bool, torch.dtype, bool
              torch.is_autocast_cache_enabled()) for d in dict.fromkeys((device_type, "cpu"))]
 
 
-def rng_state(device: torch.device) -> tuple:
-    """``(CPU generator state, device, device's generator state or None)``: what
-    :func:`set_rng_state` restores (a CPU ``device`` has no second generator)."""
-    mod = getattr(torch, device.type, None) if device.type != "cpu" else None
-    state = mod.get_rng_state(device) if mod is not None and hasattr(mod, "get_rng_state") \
-        else None
-    return torch.get_rng_state(), device, state
-
-
-def set_rng_state(state: tuple) -> None:
-    """Restore what :func:`rng_state` returned."""
-    cpu, device, dev_state = state
-    torch.set_rng_state(cpu)
-    if dev_state is not None:
-        getattr(torch, device.type).set_rng_state(dev_state, device)
-
-
 def _replay_rng(ctx) -> contextlib.ExitStack:
     """The RNG state the forward started from, the caller's restored on exit."""
     stack = contextlib.ExitStack()
-    _, device, dev_state = ctx.rng
-    stack.enter_context(torch.random.fork_rng(devices=[device] if dev_state is not None else [],
-                                              device_type=device.type))
-    set_rng_state(ctx.rng)
+    stack.enter_context(torch.random.fork_rng(devices=ctx.rng_devices, device_type=ctx.device_type))
+    torch.set_rng_state(ctx.cpu_rng)
+    if ctx.device_rng is not None:
+        getattr(torch, ctx.device_type).set_rng_state(ctx.device_rng, ctx.rng_devices[0])
     return stack
 
 
@@ -115,8 +98,12 @@ class _TiledMLP(torch.autograd.Function):
         ctx.fn, ctx.tile, ctx.dim = fn, tile, dim
         ctx.params = params  # the tensors themselves: fn reads them again in backward
         ctx.save_for_backward(x)
+        ctx.device_type = x.device.type
         ctx.autocast = _autocast_state(x.device.type)
-        ctx.rng = rng_state(x.device)
+        ctx.cpu_rng = torch.get_rng_state()
+        device = x.device.type != "cpu" and getattr(torch, x.device.type, None)
+        ctx.rng_devices = [x.device] if device else []
+        ctx.device_rng = device.get_rng_state(x.device) if device else None
         hook = _OUTPUT_HOOK.get()
         compute = functools.partial(_tiles, fn, tile, dim, x)
         return compute() if hook is None else hook(compute)
