@@ -123,7 +123,7 @@ class HFConfig:
     router_aux_loss: Literal["config", "on", "off"] = "config"
     """Mixture-of-experts models' router load-balancing loss (computed from the router statistics of the whole CP group's batch, packing pads excluded; logged as aux_loss; the gradient is that of loss + router_aux_loss_coef * aux_loss): config = as config.json says (output_router_logits with router_aux_loss_coef; a coefficient > 0 with output_router_logits false is an error, nothing is dropped silently); on = with the config's coefficient; off = without. Dense models: config or off."""
     memory: Literal["manual", "auto"] = "manual"
-    """auto: the cheapest --activation-checkpointing / --offload-activations that fit the GPU (cp_rope.launch.plan_memory); manual: as given."""
+    """auto: the fastest --activation-checkpointing / --offload-activations / --mlp-tile-tokens / --fused-loss that fit the GPU, holding those given with other than their defaults (cp_rope.launch.plan_memory); manual: as given."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -15,7 +15,10 @@ the others); without it, those given are held while the others are chosen. A set
 trainers refuse (a tiled MLP of a mixture of experts) is a usage error (exit status 2).
 
 ``--memory auto`` in ``cp_rope.launch.pretrain`` and ``finetune_hf`` calls
-:func:`choose` with the run's shapes and the GPU's memory.
+:func:`choose` with the run's shapes, the GPU's memory, the run's loss kernel and the memory
+flags given with other than their defaults held (:func:`auto_settings`). ``--loss-impl``
+(torch, the default install's; liger, what the trainers' ``auto`` runs on CUDA in bf16
+with ``cp-rope[liger]``) says which fused loss to price.
 
 The model (bytes per GPU; ``T`` = tokens per step of a CP group, ``T/C`` per
 rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
@@ -38,7 +41,9 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
   phase's: **the loss** (every layer's kept tensors, the layer outputs and the
   final norm's, and the loss: unfused ``[T, V]`` logits, their fp32 copy and
   gradient; fused (:func:`cp_rope.parallel.cp_linear_cross_entropy`): one chunk
-  of logits, the hidden-state gradient and the fp32 head-weight gradient) or
+  of logits (the torch loop: ``[chunk, V]`` fp32 and its gradient; Liger: ``[chunk, V]`` bf16,
+  its gradient in place, Liger's own chunk), the hidden-state gradient and the fp32
+  head-weight gradient) or
   **the first backward layer** (the other layers' kept tensors in flight, and
   its working set: the larger of its MLP backward, i.e. a checkpointed layer's
   recomputed tensors plus two ``[T, ffn]`` gradients untiled or one tile's worth
@@ -67,7 +72,8 @@ Since selective + offload + tiled keeps the tiled MLP's output (launch/offload.p
 estimates against those peaks (measured before) are -6.6 / +6.5 % (1b) and +0.9 / +1.6 %
 (Qwen3): those peaks are to be measured again. Every peak above was measured with PyTorch's
 eager SwiGLU product (``Shapes.fused_swiglu`` False); with cp_rope's fused SwiGLU the Qwen3
-shape's none at 32,768 peaked at 16.5 GiB on an H100 (round 11; estimate +2.3 %).
+shape's none at 32,768 peaked at 16.5 GiB on an H100 with Liger's loss (round 11; estimate
++4.0 % with Liger's chunks priced, ``--loss-impl liger``).
 """
 
 from __future__ import annotations
@@ -77,7 +83,9 @@ import dataclasses
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Literal
 
+from cp_rope.parallel._loss_impl import liger_chunk_tokens
 from cp_rope.parallel.cost_model import causal_pairs
 
 from .config import PRESETS, ConfigError, check_seq_len
@@ -111,6 +119,12 @@ class Settings:
     fused_loss: bool = True
     loss_chunk_size: int = 0
     """0 = cp_rope.parallel.loss.auto_chunk_size(V)."""
+    loss_impl: Literal["torch", "liger"] = "torch"
+    """The fused loss's kernel (``--loss-impl`` resolved, as the run's log names it): torch, its
+    chunks of ``[loss_chunk_size, V]`` float32 logits and their gradient; liger, Liger-Kernel's
+    chunks of :func:`~cp_rope.parallel._loss_impl.liger_chunk_tokens` tokens, ``[chunk, V]``
+    bf16 logits whose gradient Liger writes in place (``--loss-impl auto`` on CUDA in bf16 with
+    liger-kernel installed)."""
 
     def flags(self) -> str:
         out = [f"--activation-checkpointing {self.activation_checkpointing}"]
@@ -141,10 +155,16 @@ def _per_token_layer(s: Shapes, mode: str, tiled: bool, offload: bool) -> tuple[
     return kept, everything
 
 
-def _loss_chunk(s: Shapes, st: Settings) -> int:
-    if st.loss_chunk_size:
-        return st.loss_chunk_size
-    return min(65536, max(256, (1 << 27) // max(s.vocab, 1) // 256 * 256))
+def _fused_loss_bytes(s: Shapes, st: Settings, t: int) -> int:
+    """The fused loss's own memory for ``t`` tokens on a rank: one chunk's logits (and, torch,
+    their float32 gradient), the hidden states' bf16 gradient, the float32 head-weight
+    gradient (Liger's ``accum_dtype``; the torch loop's accumulator)."""
+    if st.loss_impl == "liger":
+        chunk = liger_chunk_tokens(t, s.vocab, s.dim) * s.vocab * 2
+    else:
+        c = st.loss_chunk_size or min(65536, max(256, (1 << 27) // max(s.vocab, 1) // 256 * 256))
+        chunk = min(c, t) * s.vocab * 8
+    return chunk + t * s.dim * 2 + 4 * s.vocab * s.dim
 
 
 def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
@@ -162,6 +182,9 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
     if st.activation_checkpointing not in ("none", "full", "selective"):
         raise ValueError(f"activation_checkpointing={st.activation_checkpointing!r}: expected "
                          "none, full or selective")
+    if st.loss_impl not in ("torch", "liger"):
+        raise ValueError(f"loss_impl={st.loss_impl!r}: expected torch or liger (auto resolved "
+                         "for the run's device, as its log names it)")
     n, t = dp * cp, -(-tokens // cp)
     q, kv, d = s.n_heads * s.head_dim, s.n_kv_heads * s.head_dim, s.dim
     tiled = st.mlp_tile_tokens > 0
@@ -178,8 +201,7 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
     # (1) the loss: every kept tensor on the GPU, + the layer outputs between layers / the final
     # norm's input and output, + the loss's own memory.
     if st.fused_loss:
-        c = min(_loss_chunk(s, st), t)
-        loss = c * s.vocab * 8 + t * d * 2 + 4 * s.vocab * d
+        loss = _fused_loss_bytes(s, st, t)
     else:
         loss = t * s.vocab * 12
     at_loss = {"saved activations": t * (in_flight * kept + 3 * 2 * d), "layer working set": 0,
@@ -248,10 +270,15 @@ def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int =
 
 
 def candidates(s: Shapes, *, tiled_mlp: bool = True, fused_loss: bool = True,
-               tile_tokens: int = 8192, fixed: dict | None = None) -> list[Settings]:
+               tile_tokens: int = 8192, fixed: dict | None = None,
+               given: dict | None = None) -> list[Settings]:
     """Every combination the planner considers: no tiled MLP for a mixture of experts (the
     trainers refuse it, :func:`check_settings`); ``fixed``: :class:`Settings` fields held at the
-    given values (the setting flags given to :func:`main`), the others chosen."""
+    given values (the setting flags given to :func:`main`), the others chosen; ``given``: the
+    :class:`Settings` fields no search varies (``loss_impl``, ``loss_chunk_size``), as the run
+    has them.
+
+    Raises: ValueError naming ``fixed`` or ``given`` for a field that is not theirs."""
     opts = {"activation_checkpointing": ("none", "selective", "full"),
             "offload_activations": (False, True),
             "mlp_tile_tokens": (0, tile_tokens) if tiled_mlp and not s.n_moe else (0,),
@@ -260,7 +287,10 @@ def candidates(s: Shapes, *, tiled_mlp: bool = True, fused_loss: bool = True,
         if name not in opts:
             raise ValueError(f"fixed={fixed!r}: {name!r} is not one of {list(opts)}")
         opts[name] = (value,)
-    return [Settings(**dict(zip(opts, values, strict=True)))
+    given = dict(given or {})
+    if not set(given) <= {"loss_impl", "loss_chunk_size"}:
+        raise ValueError(f"given={given!r}: expected loss_impl and/or loss_chunk_size")
+    return [Settings(**dict(zip(opts, values, strict=True)), **given)
             for values in itertools.product(*opts.values())]
 
 
@@ -305,36 +335,52 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
 
 
 def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None,
-                  gpu_bytes: int | None = None):
+                  gpu_bytes: int | None = None, loss_kernel: str | None = None):
     """``--memory auto``: ``cfg`` (a PretrainConfig, vocab resolved) with the memory flags that
     :func:`choose` picks for ``cfg.data.tokens_per_batch`` tokens per step on ``device``.
 
-    Knobs the model config does not have (``mlp_tile_tokens``, ``fused_loss``) are left out of
-    the search, and so is a tiled MLP for a mixture of experts (:func:`candidates`). On a CPU
-    run nothing changes. Returns ``(cfg, message)``.
+    A memory flag given a value other than its default (``--activation-checkpointing``,
+    ``--offload-activations``, ``--mlp-tile-tokens``, ``--no-fused-loss``) is held, as
+    ``plan_memory``'s own setting flags are: the search chooses the others. Knobs the model
+    config does not have (``mlp_tile_tokens``, ``fused_loss``) are left out of the search, and
+    so is a tiled MLP for a mixture of experts (:func:`candidates`). The fused loss is priced
+    for the kernel the run will use (``--loss-impl`` resolved for ``device`` and the compute
+    dtype, with ``--loss-chunk-size``; ``loss_kernel``, ``"torch"`` or ``"liger"``, says it
+    instead). ``gpu_bytes``: the GPU's memory (default: ``device``'s). On a CPU run without
+    ``gpu_bytes`` nothing changes. Returns ``(cfg, message)``; the message names the held
+    flags.
 
     Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need.
     """
     m = cfg.model
     if device.type != "cuda" and gpu_bytes is None:
         return cfg, "memory=auto: a cpu run, the memory flags stay as given"
-    if gpu_bytes is None:
-        import torch
+    import torch
 
+    from cp_rope.parallel._loss_impl import loss_impl
+
+    from .parallelize import compute_dtype
+
+    if gpu_bytes is None:
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     s = shapes or Shapes.from_model_config(m)
-    has_tile, has_fused = hasattr(m, "mlp_tile_tokens"), hasattr(m, "fused_loss")
+    defaults = type(m)()
+    knobs = [k for k in ("activation_checkpointing", "offload_activations", "mlp_tile_tokens",
+                         "fused_loss") if hasattr(m, k)]
+    fixed = {k: getattr(m, k) for k in knobs if getattr(m, k) != getattr(defaults, k)}
+    chunk = getattr(m, "loss_chunk_size", 0)
+    if loss_kernel is None:  # the library's own rule, on a one-row stand-in (as the run's log)
+        loss_kernel = loss_impl(cfg.parallel.loss_impl, torch.empty(
+            1, 1, dtype=compute_dtype(cfg, device.type), device=device), chunk or None)
     st, est = choose(s, tokens=cfg.data.tokens_per_batch, gpu_bytes=gpu_bytes, cp=cp, dp=dp,
-                     doc_len=cfg.data.seq_len, tiled_mlp=has_tile, fused_loss=has_fused)
-    new = {"activation_checkpointing": st.activation_checkpointing,
-           "offload_activations": st.offload_activations, "memory": "manual"}
-    if has_tile:
-        new["mlp_tile_tokens"] = st.mlp_tile_tokens
-    if has_fused:
-        new["fused_loss"] = st.fused_loss
-    cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, **new))
+                     doc_len=cfg.data.seq_len, tiled_mlp="mlp_tile_tokens" in knobs,
+                     fused_loss="fused_loss" in knobs, fixed=fixed,
+                     given={"loss_impl": loss_kernel, "loss_chunk_size": chunk})
+    new = {k: getattr(st, k) for k in knobs}
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, memory="manual", **new))
+    held = f", held: {' '.join(_held_flags(fixed))}" if fixed else ""
     return cfg, (f"memory=auto: {st.flags()} (predicted peak {est['total'] / GIB:.1f} of "
-                 f"{gpu_bytes / GIB:.1f} GiB per GPU)")
+                 f"{gpu_bytes / GIB:.1f} GiB per GPU{held})")
 
 
 def report(s: Shapes, st: Settings, est: dict, *, title: str) -> str:
@@ -403,6 +449,10 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the MLPs run cp_rope's fused SwiGLU, one [T, ffn] tensor less kept "
                    "per untiled layer (default: on, as the trainers on CUDA; finetune_hf "
                    "--no-fused-swiglu turns it off)")
+    p.add_argument("--loss-impl", choices=("torch", "liger"), default="torch",
+                   help="the fused loss's kernel, as the run's log names it: torch (cp_rope's "
+                   "loop, float32 chunks; the default install) or liger (what --loss-impl auto "
+                   "runs on CUDA in bf16 with cp-rope[liger]: larger bf16 chunks)")
     p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction,
                    help="the chunked fused loss (default: chosen; with "
                    "--activation-checkpointing: on)")
@@ -441,15 +491,17 @@ def main(argv: list[str] | None = None) -> dict:
         check_settings(s, Settings(**fixed), where="--mlp-tile-tokens")
     except ConfigError as exc:
         p.error(str(exc))
+    given = {"loss_impl": args.loss_impl}
     if args.activation_checkpointing:
-        st = Settings(**fixed)
+        st = Settings(**fixed, **given)
         est = estimate(s, st, **kw)
         print(report(s, st, est, title=where))
         return {"settings": dataclasses.asdict(st), "estimate": est}
     held = f"\n  held: {' '.join(_held_flags(fixed))}" if fixed else ""
     try:
         st, est = choose(s, gpu_bytes=int(args.gpu_memory_gib * GIB),
-                         host_bytes=int(args.host_memory_gib * GIB), fixed=fixed, **kw)
+                         host_bytes=int(args.host_memory_gib * GIB), fixed=fixed,
+                         given=given, **kw)
     except ConfigError as exc:
         print(f"{where}{held}\n  error: {exc}")
         return {"settings": None, "error": str(exc)}

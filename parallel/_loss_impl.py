@@ -11,7 +11,8 @@ import torch
 
 from .choices import LOSS_IMPLS
 
-__all__ = ["loss_impl", "liger_function", "liger_missing", "liger_chunking", "LIGER_CHUNK_TOKENS"]
+__all__ = ["loss_impl", "liger_function", "liger_missing", "liger_chunking", "liger_chunk_tokens",
+           "LIGER_CHUNK_TOKENS"]
 
 LIGER_CHUNK_TOKENS = 4096
 """Most tokens per chunk cp_rope asks of Liger's kernel where its own rule makes more chunks.
@@ -48,11 +49,33 @@ def liger_chunking(fn, n_tokens: int, vocab: int, hidden: int) -> dict:
     ceil(n / L)``: the largest such ``c`` is ``ceil(V / hidden)`` for ``k = 1`` (one chunk),
     else ``ceil(V / (hidden x (k - 1))) - 1``. No argument (Liger's default, ``c = 1``) where
     that is below 2 or ``fn`` has no such parameter (liger-kernel before it)."""
+    c = _chunk_mem_const(n_tokens, vocab, hidden)
+    return {"chunk_mem_const": c} if c >= 2 and _takes_chunk_mem_const(fn) else {}
+
+
+def _chunk_mem_const(n_tokens: int, vocab: int, hidden: int) -> int:
+    """:func:`liger_chunking`'s ``c`` (1, Liger's default, where no larger one helps)."""
     if n_tokens < 1 or hidden < 1 or vocab < 1 or LIGER_CHUNK_TOKENS < 1:
-        return {}
+        return 1
     k = -(-n_tokens // (1 << (LIGER_CHUNK_TOKENS.bit_length() - 1)))  # a power of 2, <= L
     c = -(-vocab // hidden) if k == 1 else -(-vocab // (hidden * (k - 1))) - 1
-    return {"chunk_mem_const": int(c)} if c >= 2 and _takes_chunk_mem_const(fn) else {}
+    return max(1, int(c))
+
+
+def liger_chunk_tokens(n_tokens: int, vocab: int, hidden: int) -> int:
+    """Tokens per chunk of Liger's kernel for ``n_tokens`` rows of width ``hidden`` and a
+    ``vocab``-row head, called with :func:`liger_chunking`'s arguments (a liger-kernel that
+    takes ``chunk_mem_const``: 0.8.5 does): Liger's rule of :func:`liger_chunking`'s docstring
+    with its ``c``. Each chunk holds ``[chunk, vocab]`` logits in the compute dtype (Liger writes
+    their gradient in place); :mod:`cp_rope.launch.plan_memory` prices them.
+
+    Raises: ValueError naming the argument that is not an int >= 1.
+    """
+    for name, v in (("n_tokens", n_tokens), ("vocab", vocab), ("hidden", hidden)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {v!r}")
+    per = -(-n_tokens // -(-vocab // (_chunk_mem_const(n_tokens, vocab, hidden) * hidden)))
+    return min(1 << (per - 1).bit_length(), n_tokens)
 
 
 @functools.lru_cache(maxsize=8)

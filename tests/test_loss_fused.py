@@ -377,6 +377,7 @@ def test_liger_chunks_at_most_liger_chunk_tokens(n, vocab, hidden):
     assert (kw != {}) == (got > default)
     if kw:
         assert got <= cap
+    assert _loss_impl.liger_chunk_tokens(n, vocab, hidden) == got  # what the planner prices
     if (n, vocab) in ((32768, 151936), (262144, 151936)):  # bench_memory's hf shapes
         assert default in (256, 2048) and got == 4096
     assert _loss_impl.liger_chunking(old, n, vocab, hidden) == {}

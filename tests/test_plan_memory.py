@@ -106,13 +106,15 @@ def test_memory_auto_sets_the_flags():
     cfg.data.tokens_per_batch = 1 << 20
     import torch
 
-    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=8 * GIB)
+    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=8 * GIB,
+                              loss_kernel="torch")
     assert out.model.memory == "manual" and "memory=auto: --activation-checkpointing" in note
     assert out.model.activation_checkpointing != "none" or out.model.offload_activations
     same, note = auto_settings(cfg, torch.device("cpu"), dp=1, cp=1)
     assert same is cfg and "cpu" in note
     with pytest.raises(ConfigError, match="memory=auto: nothing fits"):
-        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=1 << 20)
+        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=1 << 20,
+                      loss_kernel="torch")
 
 
 def test_command_line(tmp_path, capsys):
@@ -166,15 +168,75 @@ def test_calibration_against_round_2_h200_peaks(model, tokens, flags, measured_g
 def test_fused_swiglu_keeps_one_ffn_tensor_less_and_matches_round_11s_peak():
     """The fused SwiGLU keeps gate and up but no silu(gate): 2 bytes x ffn per token per untiled
     layer less; bench_memory's Qwen3 shape, none at 32,768 tokens, peaked at 16.48 GiB with it
-    (docs/benchmarks.md, round 11, H100; 17.97 GiB with PyTorch's product): within 10%."""
+    and Liger's loss (docs/benchmarks.md, round 11, H100; 17.97 GiB with PyTorch's product):
+    within 10%."""
     fused = dataclasses.replace(QWEN3_SHAPED, fused_swiglu=True)
     kw = dict(tokens=32768, doc_len=16384)
-    got, eager = (estimate(s, Settings(), **kw) for s in (fused, QWEN3_SHAPED))
+    got, eager = (estimate(s, Settings(loss_impl="liger"), **kw) for s in (fused, QWEN3_SHAPED))
     t, f, n = 32768, QWEN3_SHAPED.ffn, QWEN3_SHAPED.n_layers
     assert eager["saved activations"] - got["saved activations"] == n * t * 2 * f
     assert abs(got["total"] / GIB / 16.48 - 1) < 0.10, got["total"] / GIB
     tiled = Settings(activation_checkpointing="selective", mlp_tile_tokens=4096)
     assert estimate(fused, tiled, **kw) == estimate(QWEN3_SHAPED, tiled, **kw)  # nothing kept
+
+
+def test_liger_loss_is_priced_by_its_own_chunks():
+    """Liger's fused loss holds one chunk of [chunk, V] bf16 logits (its gradient written in
+    place) of liger_chunk_tokens tokens, not the torch loop's [chunk, V] float32 logits and
+    gradient: bench_memory's Qwen3 shape at 32,768 tokens, 4,096 x 151,936 x 2 bytes against
+    768 x 151,936 x 8; the 1,000-token tiny model (V = 5,000), one chunk of 1,000 rows."""
+    from cp_rope.parallel._loss_impl import liger_chunk_tokens
+
+    t, v, d = 32768, QWEN3_SHAPED.vocab, QWEN3_SHAPED.dim
+    rest = t * d * 2 + 4 * v * d  # dhidden, fp32 dW
+    kw = dict(tokens=t, doc_len=16384)
+    assert liger_chunk_tokens(t, v, d) == 4096
+    assert estimate(QWEN3_SHAPED, Settings(loss_impl="liger"), **kw)["loss"] == 4096 * v * 2 + rest
+    assert estimate(QWEN3_SHAPED, Settings(), **kw)["loss"] == 768 * v * 8 + rest
+    wide = dataclasses.replace(S, vocab=5000)  # the loss phase peaks
+    tiny = estimate(wide, Settings(loss_impl="liger"), tokens=1000)
+    assert tiny["loss"] == 1000 * 5000 * 2 + 1000 * 64 * 2 + 4 * 5000 * 64
+    argv = ["--preset", "tiny", "--vocab-size", "151936", "--seq-len", "32768",
+            "--activation-checkpointing", "none"]
+    assert main(argv + ["--loss-impl", "liger"])["estimate"]["loss"] > \
+        main(argv)["estimate"]["loss"] > 0
+    with pytest.raises(ValueError, match="loss_impl='auto': expected torch or liger"):
+        estimate(S, Settings(loss_impl="auto"), tokens=8)
+    with pytest.raises(ValueError, match="n_tokens must be an int >= 1"):
+        liger_chunk_tokens(0, v, d)
+
+
+def test_memory_auto_holds_the_flags_given_and_prices_the_runs_loss():
+    """--memory auto chooses only the memory flags left at their defaults: one given
+    (--activation-checkpointing selective, --mlp-tile-tokens 4096) is held where the search
+    alone picks none and no tiling, and the log line says so; the loss is priced for the
+    kernel the run uses (loss_kernel; --loss-chunk-size for the torch loop)."""
+    import torch
+
+    cfg = PretrainConfig()
+    cfg.model.vocab_size, cfg.model.memory = 151936, "auto"
+    cfg.data.tokens_per_batch = cfg.data.seq_len = 8192
+    cuda, big = torch.device("cuda"), 141 * 10**9
+    free, _ = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel="torch")
+    assert (free.model.activation_checkpointing, free.model.mlp_tile_tokens) == ("none", 0)
+    cfg.model.activation_checkpointing, cfg.model.mlp_tile_tokens = "selective", 4096
+    held, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel="torch")
+    assert (held.model.activation_checkpointing, held.model.mlp_tile_tokens) == ("selective",
+                                                                                 4096)
+    assert held.model.memory == "manual"
+    assert "held: --activation-checkpointing selective --mlp-tile-tokens 4096" in note
+    s = Shapes.from_model_config(held.model)
+    peak = {(k, c): estimate(s, Settings(activation_checkpointing="selective", mlp_tile_tokens=4096,
+                                    loss_impl=k, loss_chunk_size=c), tokens=8192,
+                        doc_len=8192)["total"]
+            for k, c in (("torch", 0), ("liger", 0), ("torch", 256))}
+    assert len(set(peak.values())) == 3  # the three loss prices differ here
+    for kernel, chunk in (("torch", 0), ("liger", 0), ("torch", 256)):
+        cfg.model.loss_chunk_size = chunk
+        _, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel=kernel)
+        assert f"predicted peak {peak[kernel, chunk] / GIB:.1f} of" in note, (kernel, note)
+    with pytest.raises(ValueError, match="given=.*expected loss_impl"):
+        choose(s, tokens=8, gpu_bytes=big, given={"fused_loss": False})
 
 
 @pytest.mark.parametrize("model_type,act,experts,fused", [
