@@ -388,7 +388,8 @@ def report(s: Shapes, st: Settings, est: dict, *, title: str) -> str:
     parts = sum(v for k, v in est.items() if k not in ("total", "host (pinned)"))
     phase = ("the optimizer step (16 bytes per parameter shard)" if est["total"] > parts
              else "the loss" if est["loss"] else "the first backward layer")
-    lines = [title, f"  settings: {st.flags()}  (peak: {phase})"]
+    kernel = f"; the fused loss by {st.loss_impl}" if st.fused_loss else ""
+    lines = [title, f"  settings: {st.flags()}  (peak: {phase}{kernel})"]
     for k, v in est.items():
         lines.append(f"  {k:<20} {v / GIB:9.2f} GiB")
     return "\n".join(lines)

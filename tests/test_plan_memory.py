@@ -180,7 +180,7 @@ def test_fused_swiglu_keeps_one_ffn_tensor_less_and_matches_round_11s_peak():
     assert estimate(fused, tiled, **kw) == estimate(QWEN3_SHAPED, tiled, **kw)  # nothing kept
 
 
-def test_liger_loss_is_priced_by_its_own_chunks():
+def test_liger_loss_is_priced_by_its_own_chunks(capsys):
     """Liger's fused loss holds one chunk of [chunk, V] bf16 logits (its gradient written in
     place) of liger_chunk_tokens tokens, not the torch loop's [chunk, V] float32 logits and
     gradient: bench_memory's Qwen3 shape at 32,768 tokens, 4,096 x 151,936 x 2 bytes against
@@ -200,6 +200,9 @@ def test_liger_loss_is_priced_by_its_own_chunks():
             "--activation-checkpointing", "none"]
     assert main(argv + ["--loss-impl", "liger"])["estimate"]["loss"] > \
         main(argv)["estimate"]["loss"] > 0
+    liger, torch_loop = capsys.readouterr().out.split("tokens/step")[1:]
+    assert "(peak: the loss; the fused loss by liger)" in liger
+    assert "(peak: the loss; the fused loss by torch)" in torch_loop
     with pytest.raises(ValueError, match="loss_impl='auto': expected torch or liger"):
         estimate(S, Settings(loss_impl="auto"), tokens=8)
     with pytest.raises(ValueError, match="n_tokens must be an int >= 1"):
