@@ -4,7 +4,7 @@ comparison with the run's saved ``config.json`` (:func:`check_resume_config`).""
 
 from __future__ import annotations
 
-from .config import ConfigError, PretrainConfig, to_dict
+from .config import ConfigError, PretrainConfig, head_dim_of, to_dict
 
 __all__ = ["RESUME_FIXED", "check_resume_config", "resume_fixed"]
 
@@ -44,7 +44,8 @@ def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
     """Compare the run's saved ``config.json`` (``saved``, from :func:`to_dict`) with ``cfg``.
 
     A ``model.vocab_size`` of 0 (= from the tokenizer) in ``cfg`` is not compared:
-    the tokenizer is. Fields missing from ``saved`` (older files) are skipped.
+    the tokenizer is. ``model.head_dim`` is compared as features per head (0 = dim /
+    n_heads on either side). Fields missing from ``saved`` (older files) are skipped.
 
     Raises: ConfigError naming every field of :data:`RESUME_FIXED` that differs,
     with the saved and the current value.
@@ -56,9 +57,20 @@ def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
             old, new = saved.get(section, {}).get(name, now[section][name]), now[section][name]
             if (section, name) == ("model", "vocab_size") and new == 0:
                 continue
+            if (section, name) == ("model", "head_dim"):  # 0 = dim / n_heads: the same model
+                old, new = _head_dim(saved.get("model", {}), old), head_dim_of(cfg.model)
             if old != new:
                 diffs.append(f"{section}.{name}: {old!r} (checkpoint) != {new!r} (now)")
     if diffs:
         raise ConfigError("--resume with a config that differs from the checkpoint's run: "
                           + "; ".join(diffs) + ". Keep these fields, or start a new run "
                           "(--out-dir or --overwrite)")
+
+
+def _head_dim(saved_model: dict, head_dim) -> object:
+    """The saved run's features per head: its ``head_dim``, or ``dim / n_heads`` when 0 (as
+    :func:`~cp_rope.launch.config.head_dim_of`; the raw value where the file lacks either)."""
+    dim, heads = saved_model.get("dim"), saved_model.get("n_heads")
+    if head_dim == 0 and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
+        return dim // heads
+    return head_dim

@@ -132,6 +132,12 @@ def test_resume_with_a_changed_config_names_the_fields(tmp_path):
     with pytest.raises(ConfigError, match=r"parallel\.cp_size: 1 .* 2.*train\.seed: 0 .* 1"):
         check_resume_config(saved, parse_args(TINY + ["--cp-size", "2", "--seed", "1"]))
     check_resume_config(saved, parse_args(TINY + ["--steps", "9", "--cp-method", "allgather"]))
+    # head_dim 0 is dim / n_heads: the same model either way round, another size refused
+    per_head = str(saved["model"]["dim"] // saved["model"]["n_heads"])
+    check_resume_config(saved, parse_args(TINY + ["--head-dim", per_head]))
+    check_resume_config(to_dict(parse_args(TINY + ["--head-dim", per_head])), parse_args(TINY))
+    with pytest.raises(ConfigError, match=rf"model\.head_dim: {per_head} .* {2 * int(per_head)}"):
+        check_resume_config(saved, parse_args(TINY + ["--head-dim", str(2 * int(per_head))]))
     with pytest.raises(ConfigError, match=r"optim\.lr"):  # the optimizer state would override it
         main(TINY + ["--steps", "3", "--resume", "--lr", "1e-4"] + out)
     resumed = main(TINY + ["--steps", "3", "--resume", "--log-every", "2", "--num-workers", "1"] + out)
