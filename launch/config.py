@@ -67,6 +67,8 @@ class ModelConfig:
     """Compute the loss from the final hidden states and the output weight in chunks of loss_chunk_size tokens (cp_rope.parallel.cp_linear_cross_entropy), so the [tokens, vocab_size] logits never exist whole; --no-fused-loss materialises the logits and runs cp_cross_entropy on them. Same value and gradients."""
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for a 151,936-token vocabulary)."""
+    fused_swiglu: bool = True
+    """The SwiGLU MLPs' silu(w1 x) * w3 x by cp_rope's fused Triton kernel on CUDA (cp_rope.swiglu: one kernel each way; keeps w1 x and w3 x, not silu(w1 x)); --no-fused-swiglu runs PyTorch's eager product (CPU runs it either way). Same result up to an ulp of the compute dtype."""
     mlp_tile_tokens: int = 0
     """Sequence-tiled MLP (ALST's TiledMLP): run each SwiGLU MLP over tiles of this many tokens inside one autograd node, recomputing each tile in backward, so the [tokens, ffn_hidden_dim] intermediates exist one tile at a time; 0 = off. Same gradients; the MLP forward runs twice."""
     activation_checkpointing: Literal["none", "full", "selective"] = "none"

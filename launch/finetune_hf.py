@@ -171,7 +171,7 @@ def _model_section(hf_config, hf: HFConfig) -> ModelConfig:
                        norm_eps=float(getattr(hf_config, "rms_norm_eps", 1e-6)),
                        rope_base=float(rope.get("rope_theta", 10000.0)), max_seq_len=0,
                        fused_loss=hf.fused_loss, loss_chunk_size=hf.loss_chunk_size,
-                       mlp_tile_tokens=hf.mlp_tile_tokens,
+                       mlp_tile_tokens=hf.mlp_tile_tokens, fused_swiglu=hf.fused_swiglu,
                        activation_checkpointing=hf.activation_checkpointing,
                        offload_activations=hf.offload_activations, memory=hf.memory)
 

@@ -118,7 +118,7 @@ class Shapes:
         """cp_rope's Transformer (vocab_size 0: the byte tokenizer's 320)."""
         return cls(dim=m.dim, n_layers=m.n_layers, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
                    head_dim=head_dim_of(m), ffn=m.ffn_hidden_dim, vocab=m.vocab_size or 320,
-                   fused_swiglu=True)
+                   fused_swiglu=m.fused_swiglu)
 
     @classmethod
     def from_hf_dir(cls, path: str, *, fused_swiglu: bool = True) -> Shapes:

@@ -62,7 +62,8 @@ class Attention(nn.Module):
 
 class FeedForward(nn.Module):
     """SwiGLU MLP (Shazeer 2020): ``w2(silu(w1 x) * w3 x)``, the product by
-    :func:`cp_rope.swiglu.swiglu` (one fused kernel each way on CUDA; PyTorch on CPU).
+    :func:`cp_rope.swiglu.swiglu` (one fused kernel each way on CUDA; PyTorch on CPU);
+    ``fused=False`` (``--no-fused-swiglu``): PyTorch's eager product on every device.
 
     ``tile_tokens`` > 0 (``--mlp-tile-tokens``): the sequence-tiled MLP of ALST
     (:func:`cp_rope.parallel.tiled_mlp`): forward and backward run over
@@ -71,12 +72,13 @@ class FeedForward(nn.Module):
     backward); same result and gradients as untiled. 0 = untiled.
     """
 
-    def __init__(self, dim: int, hidden: int, *, tile_tokens: int = 0):
+    def __init__(self, dim: int, hidden: int, *, tile_tokens: int = 0, fused: bool = True):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
         self.tile_tokens = tile_tokens
+        self.swiglu_backend = "auto" if fused else "torch"  # --no-fused-swiglu: eager product
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tile_tokens:
@@ -84,7 +86,7 @@ class FeedForward(nn.Module):
         return self._mlp(x)
 
     def _mlp(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(swiglu(self.w1(x), self.w3(x)))
+        return self.w2(swiglu(self.w1(x), self.w3(x), backend=self.swiglu_backend))
 
 
 class TransformerBlock(nn.Module):
@@ -100,7 +102,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, tile_tokens=cfg.mlp_tile_tokens)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim, tile_tokens=cfg.mlp_tile_tokens,
+                                        fused=cfg.fused_swiglu)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding, ctx: _Ctx) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope, ctx)

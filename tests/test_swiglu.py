@@ -183,6 +183,34 @@ def test_native_mlp_runs_the_kernel(monkeypatch):
     assert len(calls) >= 2  # the kernel's autograd ran, untiled and in the tiles' backward
 
 
+def test_pretrain_no_fused_swiglu_runs_the_eager_product(monkeypatch):
+    """pretrain --no-fused-swiglu (model.fused_swiglu): every FeedForward runs PyTorch's
+    product even where the kernel would run (the Triton backend forced here), the memory
+    planner counts the eager product's four [T, ffn] tensors, and the default keeps the
+    kernel."""
+    from cp_rope.launch.cli import parse_args
+    from cp_rope.launch.memory_shapes import Shapes
+    from cp_rope.launch.model import Transformer
+
+    monkeypatch.setenv("CP_ROPE_BACKEND", "triton")
+    calls = []
+    mod = importlib.import_module("cp_rope.swiglu")
+    real = mod._SwiGLU.apply
+    monkeypatch.setattr(mod._SwiGLU, "apply", lambda *a: calls.append(1) or real(*a))
+    argv = ["--dim", "32", "--n-layers", "2", "--n-heads", "4", "--n-kv-heads", "2",
+            "--ffn-hidden-dim", "48", "--vocab-size", "64", "--max-seq-len", "64"]
+    for flags, fused in (([], True), (["--no-fused-swiglu"], False)):
+        cfg = parse_args(argv + flags)
+        assert cfg.model.fused_swiglu is fused
+        assert Shapes.from_model_config(cfg.model).fused_swiglu is fused
+        blocks = Transformer(cfg.model).layers
+        calls.clear()
+        for block in blocks:
+            x = torch.randn(7, 32, requires_grad=True)
+            block.feed_forward(x).sum().backward()
+        assert len(calls) == (len(blocks) if fused else 0), flags
+
+
 # ---------------------------------------------------------------- transformers' SwiGLU MLPs
 def _hf():
     pytest.importorskip("transformers")
