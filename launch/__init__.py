@@ -30,8 +30,9 @@ Read in this order (torchtitan's shape):
 * :mod:`cp_rope.launch.metrics`: throughput, MFU and bits-per-byte arithmetic, rank-0 logging.
 * :mod:`cp_rope.launch.plot`: ``report.png`` of a run, ``python -m cp_rope.launch.plot RUN...``.
 * :mod:`cp_rope.launch.plan_memory`: the memory planner (``--memory auto``, ``python -m
-  cp_rope.launch.plan_memory``), over :mod:`cp_rope.launch.memory_shapes` (a model's shapes:
-  experts, per-layer windows, a transformers ``config.json``).
+  cp_rope.launch.plan_memory``), over :mod:`cp_rope.launch.memory_model` (the per-GPU bytes
+  by component of a setting, and its calibration) and :mod:`cp_rope.launch.memory_shapes` (a
+  model's shapes: experts, per-layer windows, a transformers ``config.json``).
 * :mod:`cp_rope.launch.finetune_hf`: the same trainer on a local transformers checkpoint
   (``torchrun ... -m cp_rope.launch.finetune_hf --model DIR``; :mod:`cp_rope.hf`, extra ``hf``);
   :mod:`cp_rope.launch.hf_model`: its model, ``HFCausalLM`` (the same ``attention_plan`` /
