@@ -238,11 +238,12 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
     name = _last_value(argv, "--preset") or "tiny"
     cfg = preset(name) if name in PRESETS else preset("tiny")  # an unknown name: tyro reports it
     path = _last_value(argv, "--config")
-    file_every = None
+    file_every, file_model = None, {}
     if path is not None and path != "None":
         mapping = load_config_file(path)
         cfg = apply_mapping(cfg, mapping, path)
         file_every = (mapping.get("train") or {}).get("eval_every")
+        file_model = mapping.get("model") or {}
     default = _CommandLine(preset=name if name in PRESETS else "tiny", config=path,
                            **{s: getattr(cfg, s) for s in SECTIONS})
     text = "Flags override the --config file, which overrides the --preset."
@@ -253,7 +254,23 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
                    console_outputs=True)  # under torchrun, start_gate keeps rank > 0's
     cfg = PretrainConfig(**{s: getattr(cli, s) for s in SECTIONS})
     check_eval_flags(argv, cfg.data.eval_docs, file_every=file_every)
+    if cfg.model.memory == "auto":  # the preset's memory knobs are the planner's to choose
+        base = ModelConfig()
+        cfg.model = dataclasses.replace(cfg.model, **{
+            k: getattr(base, k) for k in MEMORY_KNOBS
+            if k not in file_model and not _flag_given(argv, "--" + k.replace("_", "-"))})
     return cfg
+
+
+MEMORY_KNOBS = ("activation_checkpointing", "offload_activations", "mlp_tile_tokens", "fused_loss")
+"""The model fields ``--memory auto`` chooses (:func:`cp_rope.launch.plan_memory.auto_settings`)
+unless a flag or the ``--config`` file gives them."""
+
+
+def _flag_given(argv: list[str], flag: str) -> bool:
+    """Whether ``argv`` gives ``flag`` (``--x``, ``--x=V`` or, for a boolean, ``--no-x``)."""
+    negated = "--no-" + flag[2:]
+    return any(a in (flag, negated) or a.startswith(flag + "=") for a in argv)
 
 
 def check_eval_flags(argv: list[str], eval_docs: int | None, *, file_every=None) -> None:

@@ -76,7 +76,7 @@ class ModelConfig:
     offload_activations: bool = False
     """Keep what each block saves for backward (its input under checkpointing) in pinned host memory, copied on a side stream and prefetched one block ahead in backward."""
     memory: Literal["manual", "auto"] = "manual"
-    """manual: the memory flags as given; auto: python -m cp_rope.launch.plan_memory picks the fastest --activation-checkpointing / --offload-activations / --mlp-tile-tokens / --fused-loss that fit the GPU, holding those given with other than their defaults (the log names them; an error says what the leanest setting would need when nothing fits)."""
+    """manual: the memory flags as given; auto: python -m cp_rope.launch.plan_memory picks the fastest --activation-checkpointing / --offload-activations / --mlp-tile-tokens / --fused-loss that fit the GPU, holding those given (flags or --config file) with other than their defaults; a preset's own memory settings are chosen anew (the log names the held flags; an error says what the leanest setting would need when nothing fits)."""
 
 
 @dataclass(kw_only=True, slots=True)

@@ -91,7 +91,9 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
 
     Returns: ``(settings, estimate)``.
 
-    Raises: ConfigError saying what the leanest setting would need (GiB) when none fits.
+    Raises: ConfigError when none fits, saying what the leanest setting would need (GiB per
+    GPU), or, where settings fit the GPU but offload more than ``host_bytes``, what the
+    leanest of those offloads.
     """
     budget = headroom * gpu_bytes
     scored = []
@@ -99,14 +101,23 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
         est = estimate(s, st, tokens=tokens, cp=cp, dp=dp, doc_len=doc_len)
         scored.append((step_seconds(s, st, tokens=tokens, cp=cp, dp=dp, doc_len=doc_len),
                        est["total"], st, est))
-    fits = [x for x in scored if x[1] <= budget and x[3]["host (pinned)"] <= host_bytes]
+    on_gpu = [x for x in scored if x[1] <= budget]
+    fits = [x for x in on_gpu if x[3]["host (pinned)"] <= host_bytes]
+    where = (f"memory=auto: nothing fits {tokens:,} tokens per step at cp {cp} x dp {dp} in "
+             f"{gpu_bytes / GIB:.1f} GiB per GPU ({headroom:.0%} usable)")
+    fewer = ("use a larger --cp-size (memory per GPU falls about as 1/cp) or fewer tokens per "
+             "step (the trainers' --tokens-per-batch, plan_memory's --seq-len)")
+    if on_gpu and not fits:  # each one that fits the GPU offloads more than the host has
+        lean = min(on_gpu, key=lambda x: x[3]["host (pinned)"])
+        raise ConfigError(
+            f"{where} and {host_bytes / GIB:.1f} GiB of pinned host memory per GPU: the settings "
+            f"that fit the GPU offload, the leanest ({lean[2].flags()}) "
+            f"{lean[3]['host (pinned)'] / GIB:.1f} GiB per GPU to the host; allow more host "
+            f"memory (plan_memory's --host-memory-gib) or {fewer}")
     if not fits:
         lean = min(scored, key=lambda x: x[1])
-        raise ConfigError(
-            f"memory=auto: nothing fits {tokens:,} tokens per step at cp {cp} x dp {dp} in "
-            f"{gpu_bytes / GIB:.1f} GiB per GPU ({headroom:.0%} usable): the leanest setting "
-            f"({lean[2].flags()}) needs {lean[1] / GIB:.1f} GiB per GPU; use a larger --cp-size "
-            f"(memory per GPU falls about as 1/cp) or fewer --tokens-per-batch")
+        raise ConfigError(f"{where}: the leanest setting ({lean[2].flags()}) needs "
+                          f"{lean[1] / GIB:.1f} GiB per GPU; {fewer}")
     best = min(fits, key=lambda x: (x[0], x[1]))
     return best[2], best[3]
 
@@ -118,16 +129,20 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
 
     A memory flag given a value other than its default (``--activation-checkpointing``,
     ``--offload-activations``, ``--mlp-tile-tokens``, ``--no-fused-loss``) is held, as
-    ``plan_memory``'s own setting flags are: the search chooses the others. Knobs the model
-    config does not have (``mlp_tile_tokens``, ``fused_loss``) are left out of the search, and
-    so is a tiled MLP for a mixture of experts (:func:`candidates`). The fused loss is priced
+    ``plan_memory``'s own setting flags are: the search chooses the others (a preset's own
+    memory settings are not held: :func:`cp_rope.launch.cli.parse_args` resets those no flag
+    or ``--config`` file gives). A ``--loss-impl`` other than auto holds the fused loss (the
+    only one it runs). Knobs the model config does not have (``mlp_tile_tokens``,
+    ``fused_loss``) are left out of the search, and so is a tiled MLP for a mixture of experts
+    (:func:`candidates`). The fused loss is priced
     for the kernel the run will use (``--loss-impl`` resolved for ``device`` and the compute
     dtype, with ``--loss-chunk-size``; ``loss_kernel``, ``"torch"`` or ``"liger"``, says it
     instead). ``gpu_bytes``: the GPU's memory (default: ``device``'s). On a CPU run without
     ``gpu_bytes`` nothing changes. Returns ``(cfg, message)``; the message names the held
     flags.
 
-    Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need.
+    Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need, or
+    naming ``mlp_tile_tokens`` for a held tiled MLP of a mixture of experts.
     """
     m = cfg.model
     if device.type != "cuda" and gpu_bytes is None:
@@ -145,13 +160,17 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     knobs = [k for k in ("activation_checkpointing", "offload_activations", "mlp_tile_tokens",
                          "fused_loss") if hasattr(m, k)]
     fixed = {k: getattr(m, k) for k in knobs if getattr(m, k) != getattr(defaults, k)}
+    check_settings(s, Settings(**fixed))
+    # --loss-impl torch|liger is for the fused loss only (config.check_loss_impl)
+    required = {"fused_loss": True} if (cfg.parallel.loss_impl != "auto" and "fused_loss" in
+                                        knobs and "fused_loss" not in fixed) else {}
     chunk = getattr(m, "loss_chunk_size", 0)
     if loss_kernel is None:  # the library's own rule, on a one-row stand-in (as the run's log)
         loss_kernel = loss_impl(cfg.parallel.loss_impl, torch.empty(
             1, 1, dtype=compute_dtype(cfg, device.type), device=device), chunk or None)
     st, est = choose(s, tokens=cfg.data.tokens_per_batch, gpu_bytes=gpu_bytes, cp=cp, dp=dp,
                      doc_len=cfg.data.seq_len, tiled_mlp="mlp_tile_tokens" in knobs,
-                     fused_loss="fused_loss" in knobs, fixed=fixed,
+                     fused_loss="fused_loss" in knobs, fixed=fixed | required,
                      given={"loss_impl": loss_kernel, "loss_chunk_size": chunk})
     new = {k: getattr(st, k) for k in knobs}
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, memory="manual", **new))
@@ -215,8 +234,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--host-memory-gib", type=float, default=100.0,
                    help="pinned host memory one GPU's offload may use, GiB (default 100)")
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
+                   nargs="?", const="full",
                    help="estimate this setting, with the other setting flags (the trainers' "
-                   "defaults where not given), instead of choosing")
+                   "defaults where not given), instead of choosing, and say whether it fits "
+                   "(a bare flag: full, as the trainers)")
     p.add_argument("--offload-activations", action=argparse.BooleanOptionalAction,
                    help="offload what each layer saves (default: chosen; with "
                    "--activation-checkpointing: off)")
@@ -227,10 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
                    help="the MLPs run cp_rope's fused SwiGLU, one [T, ffn] tensor less kept "
                    "per untiled layer (default: on, as the trainers on CUDA; finetune_hf "
                    "--no-fused-swiglu turns it off)")
-    p.add_argument("--loss-impl", choices=("torch", "liger"), default="torch",
+    p.add_argument("--loss-impl", choices=("torch", "liger"),
                    help="the fused loss's kernel, as the run's log names it: torch (cp_rope's "
-                   "loop, float32 chunks; the default install) or liger (what --loss-impl auto "
-                   "runs on CUDA in bf16 with cp-rope[liger]: larger bf16 chunks)")
+                   "loop, float32 chunks; the default install; default) or liger (what "
+                   "--loss-impl auto runs on CUDA in bf16 with cp-rope[liger]: larger bf16 "
+                   "chunks); with --no-fused-loss, refused as by the trainers")
     p.add_argument("--fused-loss", action=argparse.BooleanOptionalAction,
                    help="the chunked fused loss (default: chosen; with "
                    "--activation-checkpointing: on)")
@@ -269,12 +291,25 @@ def main(argv: list[str] | None = None) -> dict:
         check_settings(s, Settings(**fixed), where="--mlp-tile-tokens")
     except ConfigError as exc:
         p.error(str(exc))
-    given = {"loss_impl": args.loss_impl}
+    if args.loss_impl and args.fused_loss is False:
+        p.error(f"--loss-impl {args.loss_impl} is for the fused loss only; the trainers refuse "
+                "it with --no-fused-loss")
+    given = {"loss_impl": args.loss_impl or "torch"}
     if args.activation_checkpointing:
         st = Settings(**fixed, **given)
         est = estimate(s, st, **kw)
-        print(report(s, st, est, title=where))
-        return {"settings": dataclasses.asdict(st), "estimate": est}
+        budget, host = HEADROOM * args.gpu_memory_gib * GIB, args.host_memory_gib * GIB
+        misses = ([f"{est['total'] / GIB:.1f} GiB per GPU over the {budget / GIB:.1f} usable "
+                   f"({HEADROOM:.0%} of --gpu-memory-gib {args.gpu_memory_gib:.1f})"]
+                  if est["total"] > budget else [])
+        if est["host (pinned)"] > host:
+            misses.append(f"{est['host (pinned)'] / GIB:.1f} GiB per GPU offloaded, over "
+                          f"--host-memory-gib {args.host_memory_gib:.1f}")
+        fits = not misses
+        verdict = (f"fits {args.gpu_memory_gib:.1f} GiB per GPU ({HEADROOM:.0%} usable)"
+                   if fits else "does NOT fit: " + "; ".join(misses))
+        print(report(s, st, est, title=where) + f"\n  {verdict}")
+        return {"settings": dataclasses.asdict(st), "estimate": est, "fits": fits}
     held = f"\n  held: {' '.join(_held_flags(fixed))}" if fixed else ""
     try:
         st, est = choose(s, gpu_bytes=int(args.gpu_memory_gib * GIB),

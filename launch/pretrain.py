@@ -248,6 +248,7 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
     memory_note = None
     if cfg.model.memory == "auto":  # before the model exists: the choice shapes it
         cfg, memory_note = auto_settings(cfg, device, dp=dims.dp, cp=dims.cp, shapes=memory_shapes)
+        validate(cfg, world)  # the flags it chose, with the run's others (every rank the same)
     dataset = TokenDataset(corpus, cfg.data.seq_mode, cfg.data.seq_len)
     fsdp, dtype = uses_fsdp(cfg, device.type), compute_dtype(cfg, device.type)
     placement = placement_args(cfg.parallel, cfg.model, dtype=dtype, calibration=calibration,

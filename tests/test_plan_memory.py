@@ -242,6 +242,92 @@ def test_memory_auto_holds_the_flags_given_and_prices_the_runs_loss():
         choose(s, tokens=8, gpu_bytes=big, given={"fused_loss": False})
 
 
+def test_memory_auto_chooses_a_presets_memory_knobs_and_holds_the_flags_given(tmp_path):
+    """A fresh user's try: --preset 8b --memory auto held the preset's own
+    --activation-checkpointing full as if given (the planner would pick selective + offload +
+    tiled). parse_args resets the memory knobs no flag or --config file gives to the trainers'
+    defaults under --memory auto; a flag or the file holds one; --memory manual keeps the
+    preset's."""
+    import torch
+
+    from cp_rope.launch.cli import parse_args
+
+    base = ["--preset", "8b"]
+    assert parse_args(base).model.activation_checkpointing == "full"  # manual: the preset's
+    auto = parse_args(base + ["--memory", "auto"]).model
+    assert (auto.activation_checkpointing, auto.offload_activations, auto.mlp_tile_tokens,
+            auto.fused_loss) == ("none", False, 0, True)
+    for flags in (["--activation-checkpointing", "full"], ["--activation-checkpointing=full"],
+                  ["--activation-checkpointing"]):  # a bare flag is full
+        assert parse_args(base + ["--memory", "auto"] + flags).model.activation_checkpointing \
+            == "full", flags
+    kept = parse_args(base + ["--memory", "auto", "--no-fused-loss", "--mlp-tile-tokens", "512"])
+    assert (kept.model.fused_loss, kept.model.mlp_tile_tokens) == (False, 512)
+    (tmp_path / "run.json").write_text(json.dumps({"model": {"offload_activations": True}}))
+    filed = parse_args(base + ["--memory", "auto", "--config", str(tmp_path / "run.json")]).model
+    assert filed.offload_activations and filed.activation_checkpointing == "none"
+    cfg = dataclasses.replace(parse_args(base + ["--memory", "auto"]), data=dataclasses.replace(
+        preset("8b").data, seq_len=131072, tokens_per_batch=131072))
+    _, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=140 * GIB,
+                            loss_kernel="torch")
+    assert "held" not in note and "--activation-checkpointing full" not in note, note
+
+
+def test_memory_auto_keeps_what_the_run_needs():
+    """A fresh user's try: with --loss-impl torch (the fused loss's kernel) --memory auto chose
+    --no-fused-loss at 1,024 tokens of a 128K vocabulary, which validate() refuses; a held
+    tiled MLP of a mixture of experts was kept, for the trainer to refuse later. The fused loss
+    is now held for a --loss-impl other than auto and the choice passes validate; the tiled
+    MoE is refused naming mlp_tile_tokens."""
+    import torch
+
+    from cp_rope.launch.config import validate
+
+    cfg = preset("1b")
+    cfg.model.memory, cfg.model.vocab_size = "auto", 128256
+    cfg.data.seq_len = cfg.data.tokens_per_batch = 1024
+    free, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+                            loss_kernel="torch")
+    assert not free.model.fused_loss  # auto's loss: the unfused one is leaner here
+    cfg.parallel.loss_impl = "torch"
+    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+                              loss_kernel="torch")
+    assert out.model.fused_loss and "held" not in note, note
+    validate(out, 1)
+    moe = Shapes(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=100,
+                 n_experts=4, experts_per_tok=2)
+    cfg.model.mlp_tile_tokens = 256
+    with pytest.raises(ConfigError, match="mlp_tile_tokens=256: a mixture-of-experts"):
+        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, shapes=moe, gpu_bytes=80 * GIB,
+                      loss_kernel="torch")
+
+
+def test_nothing_fits_names_host_memory_when_that_is_the_limit(capsys):
+    """A fresh user's try: every setting that fit the GPU offloaded more than
+    --host-memory-gib, and the error blamed the GPU ("needs 26.5 GiB" of 1000). It now names
+    the host memory and the offload; the GPU-bound error names tokens per step by both
+    programs' flags. plan_memory --activation-checkpointing says whether the setting fits."""
+    s = Shapes.from_model_config(preset("1b").model)
+    with pytest.raises(ConfigError, match=r"and 1\.0 GiB of pinned host memory per GPU: the "
+                       r"settings that fit the GPU offload, the leanest .* [\d.]+ GiB per GPU "
+                       r"to the host; allow more host memory"):
+        choose(s, tokens=262144, gpu_bytes=1000 * GIB, host_bytes=GIB,
+               fixed={"offload_activations": True})
+    with pytest.raises(ConfigError, match=r"needs [\d.]+ GiB per GPU; .*--tokens-per-batch, "
+                                          r"plan_memory's --seq-len"):
+        choose(s, tokens=1 << 22, gpu_bytes=40 * GIB)
+    argv = ["--preset", "1b", "--seq-len", "262144", "--activation-checkpointing"]
+    out = main(argv + ["--offload-activations", "--host-memory-gib", "1"])
+    assert out["settings"]["activation_checkpointing"] == "full" and not out["fits"]
+    assert "does NOT fit: " in capsys.readouterr().out
+    assert not main(argv + ["--gpu-memory-gib", "10"])["fits"]
+    assert main(argv + ["--offload-activations"])["fits"]
+    assert "fits 131.3 GiB per GPU (88% usable)" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(argv + ["--loss-impl", "liger", "--no-fused-loss"])
+    assert "is for the fused loss only" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("model_type,act,experts,fused", [
     ("qwen3", "silu", 0, True), ("llama", "silu", 0, True), ("qwen3", "gelu", 0, False),
     ("phi3", "silu", 0, False), ("qwen3_moe", "silu", 8, False), ("gemma2", "silu", 0, True),
