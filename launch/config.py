@@ -86,7 +86,7 @@ class DataConfig:
     data: str | None = None
     """Corpus: None = the running Python's stdlib *.py files; a .jsonl file (text field), a directory of .txt files, or a pre-tokenized .bin (memmap)."""
     tokenizer: str | None = None
-    """bytes (256 ids + BOS/EOS/PAD), bpe (a byte-level BPE of bpe_vocab_size ids trained once on the training documents, saved as out_dir/tokenizer.json and reused by a resume; needs the tokenizers package), or the path of a local HuggingFace tokenizer.json; None = bpe for the default stdlib corpus, bytes for other text corpora."""
+    """bytes (256 ids + BOS/EOS/PAD), bpe (a byte-level BPE of bpe_vocab_size ids trained once on the training documents, saved as out_dir/tokenizer.json and reused by a resume; needs the tokenizers package), or the path of a local HuggingFace tokenizer.json; None = bpe for the default stdlib corpus, bytes for other text corpora (finetune_hf: the model's own tokenizer.json, else bytes; never a BPE trained there)."""
     bpe_vocab_size: int = 4096
     """Ids of the trained BPE (--tokenizer bpe): 256 bytes + 2 special tokens + merges."""
     eval_docs: int | None = None

@@ -56,8 +56,10 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 try:
     from cp_rope.hf import load_causal_lm, local_config
-    from cp_rope.hf.moe import MoESpec, router_loss_spec
+    from cp_rope.hf.families import check_config
+    from cp_rope.hf.moe import MoESpec, moe_spec, router_loss_spec
     from cp_rope.hf.norms import LOW_PRECISION, norm_kernel
+    from cp_rope.hf.tiled_mlp import swiglu_mlps
 
     from .hf_model import HFCausalLM
 except ImportError as _exc:  # no transformers: the command says how to install it, no traceback
@@ -201,11 +203,17 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
         raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
                           "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
     _check_loss_impl(fc)
-    if router_aux(hf_config, fc.hf.router_aux_loss) is not None and fc.hf.mlp_tile_tokens:
+    try:  # what patch_model would refuse of the config, before the data and the model load
+        check_config(hf_config)
+        moe = moe_spec(hf_config)
+    except ValueError as exc:
+        raise ConfigError(f"hf.model={fc.hf.model!r}: {exc}") from None
+    if moe is not None and fc.hf.mlp_tile_tokens:  # cp_rope.hf.tiled_mlp refuses MoE blocks
         raise ConfigError(f"hf.mlp_tile_tokens={fc.hf.mlp_tile_tokens}: a mixture-of-experts "
-                          "model's router logits are recorded inside its MoE blocks, whose "
-                          "tiles run without autograd: the load-balancing loss would lose its "
-                          "gradient; leave --mlp-tile-tokens off")
+                          "model: its router logits are recorded inside its MoE blocks, whose "
+                          "tiles run without autograd (the load-balancing loss would lose its "
+                          "gradient; the router chooses each token's experts anyway), so "
+                          "cp_rope does not tile them; leave --mlp-tile-tokens off")
     n_ids = load_tokenizer(data).vocab_size
     if n_ids > hf_config.vocab_size:
         raise ConfigError(f"data.tokenizer={data.tokenizer!r}: {n_ids} ids (byte-level when "
@@ -271,6 +279,17 @@ def model_files(path: str) -> list[str]:
             if not n.startswith(".") and os.path.isfile(os.path.join(path, n))]
 
 
+def _swiglu_summary(fc: FinetuneConfig, tr) -> str:
+    """What runs the decoder MLPs' ``silu(gate) * up``, with how many of them it covers (a
+    GELU, Phi3's fused ``gate_up_proj`` or a mixture of experts keeps transformers' own)."""
+    n, total = len(swiglu_mlps(tr.model.lm)), len(tr.model.layers)
+    if not fc.hf.fused_swiglu or not n:
+        return f"transformers ({'--no-fused-swiglu' if n else f'none of the {total} MLPs is one'})"
+    kernel = ("cp_rope's fused kernel" if resolve_backend("auto", tr.device) == "triton"
+              else "cp_rope.swiglu, PyTorch expression (no CUDA)")
+    return f"{kernel}, {n} of {total} MLPs"
+
+
 def _memory_knobs(fc: FinetuneConfig, cfg: PretrainConfig) -> FinetuneConfig:
     """``fc`` with the tiled-MLP and fused-loss choice of ``cfg.model`` (``--memory auto`` sets them)."""
     m = cfg.model
@@ -306,10 +325,7 @@ def main(argv: list[str] | None = None) -> dict:
         kernel = {"liger": "Liger-Kernel's RMSNorm", "torch": "torch rms_norm"}[
             norm_kernel(tr.device.type)]
         tr.log.write(f"RMSNorm: {f'fused ({kernel})' if fused_norm else 'transformers'}")
-        swiglu_impl = ("transformers" if not fc.hf.fused_swiglu else
-                       "cp_rope's fused kernel" if resolve_backend("auto", tr.device) == "triton"
-                       else "cp_rope.swiglu, PyTorch expression (no CUDA)")
-        tr.log.write(f"SwiGLU MLPs (silu(gate) * up): {swiglu_impl}")
+        tr.log.write(f"SwiGLU MLPs (silu(gate) * up): {_swiglu_summary(fc, tr)}")
         try:
             try:
                 train_loop(tr)

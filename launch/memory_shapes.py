@@ -169,8 +169,10 @@ class Shapes:
 def _check_hf_config(path: str, c) -> None:
     """ConfigError naming ``config.<field>`` of ``path``'s config.json for shapes no model has:
     a size < 1, query heads not a multiple of the KV heads, more experts per token than
-    experts, a ``decoder_sparse_step`` < 1, a layer type cp_rope.hf does not run."""
-    from cp_rope.hf.families import LAYER_TYPES
+    experts, a ``decoder_sparse_step`` < 1, and what cp_rope.hf refuses of a config
+    (:func:`cp_rope.hf.families.check_config`: a layer type it does not run, attention-logit
+    soft-capping, ...), as the trainers do."""
+    from cp_rope.hf.families import check_config
 
     def bad(field, value, why):
         raise ConfigError(f"model={path!r}: config.{field}={value!r}: {why}")
@@ -190,6 +192,7 @@ def _check_hf_config(path: str, c) -> None:
     per_tok = getattr(c, "num_experts_per_tok", None) or 0
     if experts and per_tok > experts:
         bad("num_experts_per_tok", per_tok, f"more than the {experts} experts")
-    other = sorted(set(getattr(c, "layer_types", None) or ()) - set(LAYER_TYPES))
-    if other:
-        bad("layer_types", other, f"cp_rope.hf runs only {list(LAYER_TYPES)}")
+    try:
+        check_config(c)
+    except ValueError as exc:
+        raise ConfigError(f"model={path!r}: {exc}") from None

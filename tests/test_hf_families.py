@@ -237,6 +237,23 @@ def test_cp2_cp4_equal_unpatched():
     run_distributed(_cp_body, 4, timeout_s=300)
 
 
+def test_config_refusals_come_before_the_model_loads(tmp_path, capsys):
+    """A fresh user's try: finetune_hf on a Gemma 2 config with its attention soft-cap loaded
+    the data, then failed in patch_model with a traceback on every rank, and plan_memory
+    --model priced the model. Both now refuse the config first, naming the field."""
+    from cp_rope.launch.config import ConfigError
+    from cp_rope.launch.finetune_hf import main
+    from cp_rope.launch.plan_memory import main as plan_memory
+
+    family_config("gemma2", vocab_size=320, attn_logit_softcapping=50.0).save_pretrained(
+        tmp_path / "g")
+    with pytest.raises(ConfigError, match=r"hf.model=.*config.attn_logit_softcapping=50.0"):
+        main(["--model", str(tmp_path / "g"), "--device", "cpu"])
+    with pytest.raises(SystemExit):
+        plan_memory(["--model", str(tmp_path / "g"), "--seq-len", "4096"])
+    assert "config.attn_logit_softcapping=50.0: cp_rope's CP" in capsys.readouterr().err
+
+
 # --------------------------------------------------------------------------- finetune_hf
 def _finetune_body(rank: int, world: int, tmp: str, families) -> None:
     from cp_rope.launch.finetune_hf import main

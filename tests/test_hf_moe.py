@@ -221,6 +221,7 @@ def test_finetune_hf_router_flags(tmp_path):
         tmp_path / "m")
     with pytest.raises(ConfigError, match="hf.router_aux_loss='config'.*output_router_logits"):
         main(["--model", str(tmp_path / "m"), "--device", "cpu"])
-    with pytest.raises(ConfigError, match="hf.mlp_tile_tokens=8: a mixture-of-experts"):
-        main(["--model", str(tmp_path / "m"), "--device", "cpu", "--router-aux-loss", "on",
-              "--mlp-tile-tokens", "8"])
+    for aux in ("on", "off"):  # off: a traceback from patch_model after the data loaded
+        with pytest.raises(ConfigError, match="hf.mlp_tile_tokens=8: a mixture-of-experts"):
+            main(["--model", str(tmp_path / "m"), "--device", "cpu", "--router-aux-loss", aux,
+                  "--mlp-tile-tokens", "8"])

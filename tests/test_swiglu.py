@@ -265,6 +265,25 @@ def test_hf_swiglu_mlp_matches_float64(monkeypatch, tile):
     assert not any("forward" in m.__dict__ or hasattr(m, "cp_rope_swiglu") for m in mlps)
 
 
+def test_finetune_hf_logs_how_many_mlps_are_fused():
+    """A fresh user's try: finetune_hf logged "cp_rope's fused kernel" for a GELU Llama whose
+    MLPs none is a SwiGLU (and for a mixture of experts). The line now counts them."""
+    from types import SimpleNamespace
+
+    from cp_rope.launch.finetune_hf import _swiglu_summary
+
+    def run(model, fused=True):
+        fc = SimpleNamespace(hf=SimpleNamespace(fused_swiglu=fused))
+        layers = model.model.layers
+        return _swiglu_summary(fc, SimpleNamespace(
+            model=SimpleNamespace(lm=model, layers=layers), device=torch.device("cpu")))
+
+    assert run(_tiny("llama")) == "cp_rope.swiglu, PyTorch expression (no CUDA), 2 of 2 MLPs"
+    assert run(_tiny("llama"), fused=False) == "transformers (--no-fused-swiglu)"
+    assert run(_tiny("llama", hidden_act="gelu")) == \
+        "transformers (none of the 2 MLPs is one)"
+
+
 def test_hf_swiglu_mlps_are_only_the_silu_ones():
     """Gemma's GELU MLP, Phi3's fused gate_up and MoE blocks keep their own forward; a SwiGLU
     family with another hidden_act is left alone too."""

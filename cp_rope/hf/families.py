@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from .rope import rope_dicts
 
-__all__ = ["check_family", "check_sliding_window", "LAYER_TYPES"]
+__all__ = ["check_family", "check_config", "check_sliding_window", "LAYER_TYPES"]
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
 """The ``config.layer_types`` values cp_rope runs (the others' attention it has not checked)."""
@@ -45,16 +45,26 @@ def check_sliding_window(cfg) -> None:
 
 def check_family(model, attns) -> None:
     """ValueError naming the config field of a feature of ``model`` that cp_rope cannot
-    honour, or whose per-layer lists are inconsistent; ``attns`` its attention modules.
+    honour, or whose per-layer lists are inconsistent; ``attns`` its attention modules:
+    :func:`check_config`'s refusals, and sinks on some layers only."""
+    check_config(model.config)
+    has_sinks = [getattr(m, "sinks", None) is not None for m in attns]
+    if any(has_sinks) and not all(has_sinks):
+        raise ValueError(f"sinks: {sum(has_sinks)} of {len(attns)} attention layers carry sink "
+                         "logits; cp_rope plans one sinks setting for every layer")
+
+
+def check_config(cfg) -> None:
+    """ValueError naming the field of a transformers config ``cfg`` that cp_rope cannot
+    honour, before any model is built (the trainers' and the planner's ``--model`` check).
 
     Refused: a ``sliding_window`` that is not null or an int >= 1 (:func:`check_sliding_window`),
     ``attn_logit_softcapping`` (not None), ``use_bidirectional_attention``, a
     ``layer_types`` of another length than ``num_hidden_layers`` or with a type other than
     :data:`LAYER_TYPES`, a ``"sliding_attention"`` layer without a positive
-    ``sliding_window``, sinks on some layers only, a length-dependent RoPE
+    ``sliding_window``, a length-dependent RoPE
     (``dynamic`` / ``longrope``) in a per-layer-type ``rope_parameters``.
     """
-    cfg = model.config
     check_sliding_window(cfg)
     cap = getattr(cfg, "attn_logit_softcapping", None)
     if cap is not None:
@@ -81,10 +91,6 @@ def check_family(model, attns) -> None:
         if "sliding_attention" in types and not (isinstance(window, int) and window > 0):
             raise ValueError(f"config.sliding_window={window!r}: config.layer_types has "
                              "'sliding_attention' layers, which need a window of >= 1 tokens")
-    has_sinks = [getattr(m, "sinks", None) is not None for m in attns]
-    if any(has_sinks) and not all(has_sinks):
-        raise ValueError(f"sinks: {sum(has_sinks)} of {len(attns)} attention layers carry sink "
-                         "logits; cp_rope plans one sinks setting for every layer")
     dicts = rope_dicts(cfg)
     if None not in dicts:
         for key, d in dicts.items():
