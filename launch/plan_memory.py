@@ -93,8 +93,13 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
 
     Raises: ConfigError when none fits, saying what the leanest setting would need (GiB per
     GPU), or, where settings fit the GPU but offload more than ``host_bytes``, what the
-    leanest of those offloads.
+    leanest of those offloads; ValueError naming ``gpu_bytes`` (not > 0) or ``host_bytes``
+    (< 0).
     """
+    if not gpu_bytes > 0:
+        raise ValueError(f"gpu_bytes must be > 0, got {gpu_bytes!r}")
+    if not host_bytes >= 0:
+        raise ValueError(f"host_bytes must be >= 0, got {host_bytes!r}")
     budget = headroom * gpu_bytes
     scored = []
     for st in candidates(s, **kw):

@@ -238,6 +238,10 @@ def test_memory_auto_holds_the_flags_given_and_prices_the_runs_loss():
         cfg.model.loss_chunk_size = chunk
         _, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel=kernel)
         assert f"predicted peak {peak[kernel, chunk] / GIB:.1f} of" in note, (kernel, note)
+    for bad, match in ((dict(gpu_bytes=0), "gpu_bytes must be > 0, got 0"),
+                       (dict(gpu_bytes=big, host_bytes=-1), "host_bytes must be >= 0, got -1")):
+        with pytest.raises(ValueError, match=match):
+            choose(s, tokens=8, **bad)
     with pytest.raises(ValueError, match="given=.*expected loss_impl"):
         choose(s, tokens=8, gpu_bytes=big, given={"fused_loss": False})
 
