@@ -42,6 +42,7 @@ import tyro
 
 from .checkpoint import CheckpointError
 from .config import (
+    MEMORY_KNOBS,
     PRESETS,
     SECTIONS,
     ConfigError,
@@ -260,11 +261,6 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
             k: getattr(base, k) for k in MEMORY_KNOBS
             if k not in file_model and not _flag_given(argv, "--" + k.replace("_", "-"))})
     return cfg
-
-
-MEMORY_KNOBS = ("activation_checkpointing", "offload_activations", "mlp_tile_tokens", "fused_loss")
-"""The model fields ``--memory auto`` chooses (:func:`cp_rope.launch.plan_memory.auto_settings`)
-unless a flag or the ``--config`` file gives them."""
 
 
 def _flag_given(argv: list[str], flag: str) -> bool:

@@ -28,7 +28,7 @@ from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS,
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "check_loss_impl", "check_seq_len", "head_dim_of",
+    "check_loss_impl", "check_seq_len", "head_dim_of", "MEMORY_KNOBS",
 ]
 
 
@@ -77,6 +77,12 @@ class ModelConfig:
     """Keep what each block saves for backward (its input under checkpointing) in pinned host memory, copied on a side stream and prefetched one block ahead in backward."""
     memory: Literal["manual", "auto"] = "manual"
     """manual: the memory flags as given; auto: python -m cp_rope.launch.plan_memory picks the fastest --activation-checkpointing / --offload-activations / --mlp-tile-tokens / --fused-loss that fit the GPU, holding those given (flags or --config file) with other than their defaults; a preset's own memory settings are chosen anew (the log names the held flags; an error says what the leanest setting would need when nothing fits)."""
+
+
+MEMORY_KNOBS = ("activation_checkpointing", "offload_activations", "mlp_tile_tokens", "fused_loss")
+"""The :class:`ModelConfig` fields ``--memory auto`` chooses
+(:func:`cp_rope.launch.plan_memory.auto_settings`) unless a flag or the ``--config`` file gives
+them (the memory planner's ``Settings`` fields of the same names)."""
 
 
 @dataclass(kw_only=True, slots=True)

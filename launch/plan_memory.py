@@ -35,7 +35,7 @@ import dataclasses
 import itertools
 import math
 
-from .config import PRESETS, ConfigError, check_seq_len
+from .config import MEMORY_KNOBS, PRESETS, ConfigError, check_seq_len
 from .memory_model import GIB, Settings, estimate, step_seconds
 from .memory_shapes import Shapes
 
@@ -162,8 +162,7 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     s = shapes or Shapes.from_model_config(m)
     defaults = type(m)()
-    knobs = [k for k in ("activation_checkpointing", "offload_activations", "mlp_tile_tokens",
-                         "fused_loss") if hasattr(m, k)]
+    knobs = [k for k in MEMORY_KNOBS if hasattr(m, k)]
     fixed = {k: getattr(m, k) for k in knobs if getattr(m, k) != getattr(defaults, k)}
     check_settings(s, Settings(**fixed))
     # --loss-impl torch|liger is for the fused loss only (config.check_loss_impl)
@@ -263,9 +262,7 @@ def main(argv: list[str] | None = None) -> dict:
                    "--activation-checkpointing: on)")
     args = p.parse_args(argv)
     # the setting flags given: held while the others are chosen, or the setting to estimate
-    fixed = {k: getattr(args, k) for k in ("activation_checkpointing", "offload_activations",
-                                           "mlp_tile_tokens", "fused_loss")
-             if getattr(args, k) is not None}
+    fixed = {k: getattr(args, k) for k in MEMORY_KNOBS if getattr(args, k) is not None}
     for name in ("seq_len", "cp_size", "dp_size"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
