@@ -29,8 +29,7 @@ truncated ``.metadata`` or a damaged or incomplete manifest raise
 :func:`resume_checkpoint` picks the newest checkpoint that verifies and
 reports each newer one it skipped, with the reason.
 
-Identity. The manifest records the run that wrote it
-(:func:`~cp_rope.launch.run_identity.run_identity`:
+Identity. The manifest records the run that wrote it (:func:`~cp_rope.launch.run_identity.run_identity`:
 model shapes, data order, seed, cp_size, world size) and the torch version;
 :func:`load_checkpoint` compares them with this run before reading anything
 (:func:`check_run`) and fails naming both values. Model and optimizer shards
@@ -59,11 +58,10 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from ._compat import DCP_ERRORS, dcp_load_partial, dcp_named_files, failure_cause, torch_version
+from .resume_config import HEAD_KEYS, saved_head_dim
 
-__all__ = [
-    "CheckpointError", "MANIFEST", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
-    "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "check_run",
-]
+__all__ = ["CheckpointError", "MANIFEST", "save_checkpoint", "load_checkpoint", "verify_checkpoint",
+           "resume_checkpoint", "latest_checkpoint", "has_checkpoints", "check_run"]
 
 MANIFEST = "checksums.json"
 """Name of the checksum manifest inside a checkpoint directory (written last)."""
@@ -267,9 +265,10 @@ def check_run(path: str, manifest: dict, run: dict | None, world: int) -> None:
     """Raise CheckpointError (naming the checkpoint's and this run's values) when the
     checkpoint ``path`` was written by another world size or, with ``run``
     (:func:`cp_rope.launch.run_identity.run_identity`), another run. Keys an older manifest
-    lacks are not compared."""
+    lacks are not compared; an older manifest's ``model.head_dim`` of 0 is dim / n_heads."""
     saved = dict(manifest.get("run") or {})
     saved.setdefault("world_size", manifest.get("world_size"))
+    saved["model.head_dim"] = saved_head_dim(*(saved.get(f"model.{k}") for k in HEAD_KEYS))
     now = dict(run or {}) | {"world_size": world}
     diffs = [f"{k}: {saved[k]!r} (checkpoint) != {v!r} (this run)" for k, v in now.items()
              if saved.get(k) is not None and saved[k] != v]

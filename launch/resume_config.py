@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from .config import ConfigError, PretrainConfig, head_dim_of, to_dict
 
-__all__ = ["RESUME_FIXED", "check_resume_config", "resume_fixed"]
+__all__ = ["RESUME_FIXED", "check_resume_config", "resume_fixed", "saved_head_dim"]
 
 
 RESUME_FIXED: dict[str, tuple[str, ...]] = {
@@ -58,7 +58,9 @@ def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
             if (section, name) == ("model", "vocab_size") and new == 0:
                 continue
             if (section, name) == ("model", "head_dim"):  # 0 = dim / n_heads: the same model
-                old, new = _head_dim(saved.get("model", {}), old), head_dim_of(cfg.model)
+                model = saved.get("model", {})
+                old = saved_head_dim(old, model.get("dim"), model.get("n_heads"))
+                new = head_dim_of(cfg.model)
             if old != new:
                 diffs.append(f"{section}.{name}: {old!r} (checkpoint) != {new!r} (now)")
     if diffs:
@@ -67,10 +69,15 @@ def check_resume_config(saved: dict, cfg: PretrainConfig) -> None:
                           "(--out-dir or --overwrite)")
 
 
-def _head_dim(saved_model: dict, head_dim) -> object:
-    """The saved run's features per head: its ``head_dim``, or ``dim / n_heads`` when 0 (as
-    :func:`~cp_rope.launch.config.head_dim_of`; the raw value where the file lacks either)."""
-    dim, heads = saved_model.get("dim"), saved_model.get("n_heads")
-    if head_dim == 0 and isinstance(dim, int) and isinstance(heads, int) and heads > 0:
-        return dim // heads
+HEAD_KEYS = ("head_dim", "dim", "n_heads")
+"""The model fields :func:`saved_head_dim` reads, in its order."""
+
+
+def saved_head_dim(head_dim, dim, n_heads) -> object:
+    """A saved run's features per head: its ``head_dim``, or ``dim / n_heads`` when 0 (as
+    :func:`~cp_rope.launch.config.head_dim_of`; the raw value where the record lacks either:
+    an older file). Compared by :func:`check_resume_config` and the checkpoint's run check
+    (:func:`cp_rope.launch.checkpoint.check_run`)."""
+    if head_dim == 0 and isinstance(dim, int) and isinstance(n_heads, int) and n_heads > 0:
+        return dim // n_heads
     return head_dim

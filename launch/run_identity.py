@@ -36,7 +36,7 @@ import torch.distributed as dist
 
 from cp_rope import __version__ as CP_ROPE_VERSION
 
-from .config import ConfigError, PretrainConfig, to_dict, validate
+from .config import ConfigError, PretrainConfig, head_dim_of, to_dict, validate
 from .data import corpus_files
 from .resume_config import resume_fixed
 
@@ -183,10 +183,11 @@ def run_identity(cfg, world_size: int) -> dict:
     """What ties a checkpoint to its run, recorded in its manifest and compared before a load:
     the :func:`~cp_rope.launch.resume_config.resume_fixed` fields of ``cfg`` (model shapes, data
     order, seed, cp_size, optimizer hyper-parameters) as ``"section.field": value``, and the
-    world size."""
+    world size. ``model.head_dim`` is recorded as features per head (0 = dim / n_heads
+    resolved)."""
     now = to_dict(cfg)
     ident = {f"{s}.{n}": now[s][n] for s, names in resume_fixed(cfg).items() for n in names}
-    return ident | {"world_size": world_size}
+    return ident | {"model.head_dim": head_dim_of(cfg.model), "world_size": world_size}
 
 
 def agree_run_identity(cfg: PretrainConfig, *, extra: dict[str, dict] | None = None,

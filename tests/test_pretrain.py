@@ -142,6 +142,15 @@ def test_resume_with_a_changed_config_names_the_fields(tmp_path):
         main(TINY + ["--steps", "3", "--resume", "--lr", "1e-4"] + out)
     resumed = main(TINY + ["--steps", "3", "--resume", "--log-every", "2", "--num-workers", "1"] + out)
     assert resumed["start_step"] == 2 and sorted(resumed["losses"]) == [3]
+    # a fresh user's try: the checkpoint's own run check still compared the raw head_dim
+    again = main(TINY + ["--steps", "4", "--resume", "--head-dim", per_head] + out)
+    assert again["start_step"] == 3 and sorted(again["losses"]) == [4]
+    from cp_rope.launch.checkpoint import CheckpointError, check_run
+
+    old = {"run": {"model.head_dim": 0, "model.dim": 32, "model.n_heads": 4}, "world_size": 1}
+    check_run("ckpt", old, {"model.head_dim": 8, "model.dim": 32, "model.n_heads": 4}, 1)
+    with pytest.raises(CheckpointError, match=r"model\.head_dim: 8 \(checkpoint\) != 16"):
+        check_run("ckpt", old, {"model.head_dim": 16, "model.dim": 32, "model.n_heads": 4}, 1)
 
 
 def test_console_log(tmp_path, capsys):
