@@ -58,7 +58,8 @@ from .metrics import RunDirError
 from .offload import checkpoint_flag_argv
 from .start_gate import StartError
 
-__all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG"]
+__all__ = ["parse_args", "load_config_file", "apply_mapping", "plain_text", "run_cli", "PROG",
+           "kebab_flags"]
 
 PROG = "torchrun --nproc-per-node N -m cp_rope.launch.pretrain"
 """The program name ``--help`` shows."""
@@ -199,6 +200,17 @@ def apply_mapping(cfg: PretrainConfig, mapping: dict, source: str) -> PretrainCo
 
 
 # ----------------------------------------------------------- command line
+def kebab_flags(argv: list[str]) -> list[str]:
+    """``argv`` with each flag's name in kebab case (``--no_fused_loss=x`` -> ``--no-fused-loss=x``;
+    values untouched): tyro takes both spellings, and the checks that read ``argv`` themselves
+    (the preset, ``--config``, ``--eval-every``, the flags ``--memory auto`` holds) read one."""
+    out = []
+    for arg in argv:
+        name, eq, value = arg.partition("=")
+        out.append(name.replace("_", "-") + eq + value if arg.startswith("--") else arg)
+    return out
+
+
 def _last_value(argv: list[str], flag: str) -> str | None:
     """The value of the last ``flag VALUE`` / ``flag=VALUE`` in ``argv`` (tyro re-reads and checks it)."""
     found = None
@@ -235,7 +247,7 @@ def parse_args(argv: list[str] | None = None, description: str | None = None) ->
         SystemExit: ``--help`` (status 0) or a malformed flag (status 2; tyro prints the
             error on rank 0 only, as ``--help``, when run under torchrun).
     """
-    argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
+    argv = checkpoint_flag_argv(kebab_flags(sys.argv[1:] if argv is None else argv))
     name = _last_value(argv, "--preset") or "tiny"
     cfg = preset(name) if name in PRESETS else preset("tiny")  # an unknown name: tyro reports it
     path = _last_value(argv, "--config")

@@ -69,7 +69,7 @@ except ImportError as _exc:  # no transformers: the command says how to install 
     raise
 from cp_rope.ops import resolve_backend
 
-from .cli import check_eval_flags, plain_text, run_cli
+from .cli import check_eval_flags, kebab_flags, plain_text, run_cli
 from .config import (
     ConfigError,
     DataConfig,
@@ -151,7 +151,7 @@ def parse_args(argv: list[str] | None = None) -> FinetuneConfig:
 
     Raises: SystemExit on ``--help`` (0) or a malformed flag (2, tyro's message).
     """
-    argv = checkpoint_flag_argv(list(sys.argv[1:] if argv is None else argv))
+    argv = checkpoint_flag_argv(kebab_flags(sys.argv[1:] if argv is None else argv))
     fc = tyro.cli(FinetuneConfig, args=argv, prog=PROG, description=plain_text(__doc__).strip(),
                   config=(tyro.conf.OmitArgPrefixes,),
                   console_outputs=True)  # under torchrun, start_gate keeps rank > 0's

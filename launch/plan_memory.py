@@ -143,15 +143,18 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     for the kernel the run will use (``--loss-impl`` resolved for ``device`` and the compute
     dtype, with ``--loss-chunk-size``; ``loss_kernel``, ``"torch"`` or ``"liger"``, says it
     instead). ``gpu_bytes``: the GPU's memory (default: ``device``'s). On a CPU run without
-    ``gpu_bytes`` nothing changes. Returns ``(cfg, message)``; the message names the held
-    flags.
+    ``gpu_bytes`` nothing changes, and the message says which flags run. Returns
+    ``(cfg, message)``; the message names the held flags.
 
     Raises: ConfigError (from :func:`choose`) saying what the leanest setting would need, or
     naming ``mlp_tile_tokens`` for a held tiled MLP of a mixture of experts.
     """
     m = cfg.model
-    if device.type != "cuda" and gpu_bytes is None:
-        return cfg, "memory=auto: a cpu run, the memory flags stay as given"
+    knobs = [k for k in MEMORY_KNOBS if hasattr(m, k)]
+    if device.type != "cuda" and gpu_bytes is None:  # what runs, said (a preset's were reset)
+        return cfg, ("memory=auto: a cpu run, nothing planned: "
+                     f"{Settings(**{k: getattr(m, k) for k in knobs}).flags()} (the flags given, "
+                     "else the defaults: a preset's memory settings are not kept under auto)")
     import torch
 
     from cp_rope.parallel._loss_impl import loss_impl
@@ -162,7 +165,6 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
         gpu_bytes = torch.cuda.get_device_properties(device).total_memory
     s = shapes or Shapes.from_model_config(m)
     defaults = type(m)()
-    knobs = [k for k in MEMORY_KNOBS if hasattr(m, k)]
     fixed = {k: getattr(m, k) for k in knobs if getattr(m, k) != getattr(defaults, k)}
     check_settings(s, Settings(**fixed))
     # --loss-impl torch|liger is for the fused loss only (config.check_loss_impl)

@@ -267,6 +267,13 @@ def test_memory_auto_chooses_a_presets_memory_knobs_and_holds_the_flags_given(tm
             == "full", flags
     kept = parse_args(base + ["--memory", "auto", "--no-fused-loss", "--mlp-tile-tokens", "512"])
     assert (kept.model.fused_loss, kept.model.mlp_tile_tokens) == (False, 512)
+    # tyro takes snake-case spellings too: they were reset as if not given
+    snake = parse_args(base + ["--memory", "auto", "--no_fused_loss", "--mlp_tile_tokens=512",
+                               "--activation_checkpointing"])
+    assert (snake.model.fused_loss, snake.model.mlp_tile_tokens,
+            snake.model.activation_checkpointing) == (False, 512, "full")
+    with pytest.raises(ConfigError, match="train.eval_every"):  # read from argv, as the others
+        parse_args(["--eval_every", "10", "--eval_docs", "0"])
     (tmp_path / "run.json").write_text(json.dumps({"model": {"offload_activations": True}}))
     filed = parse_args(base + ["--memory", "auto", "--config", str(tmp_path / "run.json")]).model
     assert filed.offload_activations and filed.activation_checkpointing == "none"
@@ -275,6 +282,8 @@ def test_memory_auto_chooses_a_presets_memory_knobs_and_holds_the_flags_given(tm
     _, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=140 * GIB,
                             loss_kernel="torch")
     assert "held" not in note and "--activation-checkpointing full" not in note, note
+    same, note = auto_settings(cfg, torch.device("cpu"), dp=1, cp=1)  # says what runs
+    assert same is cfg and "a cpu run, nothing planned: --activation-checkpointing none" in note
 
 
 def test_memory_auto_keeps_what_the_run_needs():
