@@ -299,6 +299,10 @@ def set_up(cfg: PretrainConfig, *, build=None, memory_shapes=None, program: str 
               f"{cfg.data.tokens_per_batch * dims.dp:,} tokens/step max; cp_rope from "
               f"{os.path.dirname(os.path.dirname(cp_rope.__file__))}"  # which checkout runs
               + (f"; resumed from {resume_from} at step {step}" if resume_from else ""))
+    if resume_from and step < cfg.train.steps:  # a --steps other than the first run's moves it
+        lr = cfg.optim.lr * lr_lambda(cfg.optim, cfg.train.steps)(step)
+        log.write(f"learning rate: the cosine over --steps {cfg.train.steps}, {lr:.3g} at step "
+                  f"{step + 1} (recomputed for the --steps given, whatever the first run's)")
     log.write(f"loss: {loss_summary(cfg, device, dtype)} (--loss-impl {cfg.parallel.loss_impl})")
     cp_start_up(cfg, mesh["cp"].get_group(), dims.cp, device, dtype, log.write,  # own RNG
                 layers=getattr(model, "attention_layers", ((None,), False)),

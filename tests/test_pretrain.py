@@ -120,7 +120,7 @@ def test_resume_drops_metrics_logged_after_the_checkpoint(tmp_path):
     assert _metric_steps(tmp_path) == [1, 2, 3, 4]
 
 
-def test_resume_with_a_changed_config_names_the_fields(tmp_path):
+def test_resume_with_a_changed_config_names_the_fields(tmp_path, capsys):
     """--resume with other model shapes / data / layout fails before loading, naming every
     field that differs; steps and logging may change (and the step count takes effect)."""
     out = ["--out-dir", str(tmp_path)]
@@ -143,8 +143,13 @@ def test_resume_with_a_changed_config_names_the_fields(tmp_path):
     resumed = main(TINY + ["--steps", "3", "--resume", "--log-every", "2", "--num-workers", "1"] + out)
     assert resumed["start_step"] == 2 and sorted(resumed["losses"]) == [3]
     # a fresh user's try: the checkpoint's own run check still compared the raw head_dim
+    capsys.readouterr()
     again = main(TINY + ["--steps", "4", "--resume", "--head-dim", per_head] + out)
     assert again["start_step"] == 3 and sorted(again["losses"]) == [4]
+    # the schedule a larger --steps recomputes is said (a fresh user's try: the LR rose unsaid)
+    cfg = parse_args(TINY)
+    lr = cfg.optim.lr * lr_lambda(cfg.optim, 4)(3)
+    assert f"learning rate: the cosine over --steps 4, {lr:.3g} at step 4" in capsys.readouterr().out
     from cp_rope.launch.checkpoint import CheckpointError, check_run
 
     old = {"run": {"model.head_dim": 0, "model.dim": 32, "model.n_heads": 4}, "world_size": 1}
