@@ -51,6 +51,7 @@ import transformers
 import trl
 
 import cp_rope.hf
+from cp_rope.parallel.choices import BACKEND_CHOICES, METHODS
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -72,8 +73,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="bf16 autocast on float32 weights (default: on with CUDA, off on CPU)")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="transformers' gradient checkpointing of every decoder layer (default off)")
-    p.add_argument("--method", default="ring", help="CP attention method (cp_rope.parallel.METHODS; default ring)")
-    p.add_argument("--backend", default="auto", help="CP attention block backend (default auto)")
+    p.add_argument("--method", default="ring", choices=METHODS,
+                   help="CP attention method (cp_rope.parallel.METHODS; default ring)")
+    p.add_argument("--backend", default="auto", choices=BACKEND_CHOICES,
+                   help="CP attention block backend (default auto)")
     p.add_argument("--no-cp", action="store_true",
                    help="run without cp_rope (plain TRL: SDPA on padding-free rows, DP over all ranks)")
     p.add_argument("--timing-warmup", type=int, default=2,
@@ -88,6 +91,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("seq_len", "steps", "grad_accum"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    if args.cp_size is not None and (args.cp_size < 1 or world % args.cp_size):
+        p.error(f"--cp-size {args.cp_size}: must be >= 1 and divide the world size {world}")
     if args.timing_warmup < 0 or args.timing_warmup >= args.steps:
         p.error(f"--timing-warmup must be in [0, --steps), got {args.timing_warmup}")
     return args

@@ -219,6 +219,24 @@ def test_prepare_bad_input(dirs, tmp_path):
         H.prepare(sft, cp_size=1)
 
 
+def test_example_refuses_bad_flags_in_one_line(dirs, tmp_path, capsys, monkeypatch):
+    """A fresh user's try: --cp-size 3 at world 2 or --method bogus gave a traceback on every
+    rank from prepare; the example's own parser now refuses them, naming the flag."""
+    from utils import script_module
+
+    parse = script_module("sft_trl_example").parse_args
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    base = ["--model-dir", dirs["qwen3"], "--data", dirs["jsonl"]]
+    for flags, match in ((["--cp-size", "3"], "--cp-size 3: must be >= 1 and divide the world "
+                                                "size 2"),
+                         (["--method", "bogus"], "argument --method: invalid choice: 'bogus'"),
+                         (["--backend", "nope"], "argument --backend: invalid choice: 'nope'")):
+        with pytest.raises(SystemExit):
+            parse(base + flags)
+        assert match in capsys.readouterr().err, flags
+    assert parse(base + ["--cp-size", "2"]).cp_size == 2
+
+
 def test_prepare_one_process_matches(dirs, refs, tmp_path):
     """cp_size=1 on one process: the whole path (collator, loss, step count) without CP."""
     got = run("sft", dirs["qwen3"], DOCS, str(tmp_path), cp_size=1)
