@@ -27,7 +27,7 @@ _PANELS = (  # (title, y label, training key, held-out key)
     ("loss", "loss (nats / token)", "loss", "eval_loss"),
     ("bits per byte", "bits / byte", "bpb", "eval_bpb"),
     ("learning rate", "learning rate", "lr", None),
-    ("throughput", "tokens / s per GPU", "tokens_per_s_per_gpu", None),
+    ("throughput", "tokens / s per GPU (CPU: per process)", "tokens_per_s_per_gpu", None),
     ("peak memory", "peak memory (GiB)", "peak_mem_gib", None),
     ("MFU", "MFU (%)", "mfu", None),
     ("gradient norm", "gradient L2 norm", "grad_norm", None),
