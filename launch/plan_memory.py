@@ -136,8 +136,8 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     ``--offload-activations``, ``--mlp-tile-tokens``, ``--no-fused-loss``) is held, as
     ``plan_memory``'s own setting flags are: the search chooses the others (a preset's own
     memory settings are not held: :func:`cp_rope.launch.cli.parse_args` resets those no flag
-    or ``--config`` file gives). A ``--loss-impl`` other than auto holds the fused loss (the
-    only one it runs). Knobs the model config does not have (``mlp_tile_tokens``,
+    or ``--config`` file gives). A ``--loss-impl`` other than auto or a ``--loss-chunk-size``
+    holds the fused loss (the only one they are for). Knobs the model config does not have (``mlp_tile_tokens``,
     ``fused_loss``) are left out of the search, and so is a tiled MLP for a mixture of experts
     (:func:`candidates`). The fused loss is priced
     for the kernel the run will use (``--loss-impl`` resolved for ``device`` and the compute
@@ -167,10 +167,10 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     defaults = type(m)()
     fixed = {k: getattr(m, k) for k in knobs if getattr(m, k) != getattr(defaults, k)}
     check_settings(s, Settings(**fixed))
-    # --loss-impl torch|liger is for the fused loss only (config.check_loss_impl)
-    required = {"fused_loss": True} if (cfg.parallel.loss_impl != "auto" and "fused_loss" in
-                                        knobs and "fused_loss" not in fixed) else {}
     chunk = getattr(m, "loss_chunk_size", 0)
+    # --loss-impl torch|liger and --loss-chunk-size are for the fused loss only (validate)
+    required = {"fused_loss": True} if ((cfg.parallel.loss_impl != "auto" or chunk) and
+                                        "fused_loss" in knobs and "fused_loss" not in fixed) else {}
     if loss_kernel is None:  # the library's own rule, on a one-row stand-in (as the run's log)
         loss_kernel = loss_impl(cfg.parallel.loss_impl, torch.empty(
             1, 1, dtype=compute_dtype(cfg, device.type), device=device), chunk or None)

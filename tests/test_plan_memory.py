@@ -307,6 +307,12 @@ def test_memory_auto_keeps_what_the_run_needs():
                               loss_kernel="torch")
     assert out.model.fused_loss and "held" not in note, note
     validate(out, 1)
+    cfg.parallel.loss_impl, cfg.model.loss_chunk_size = "auto", 512  # the torch loop's chunks
+    out, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+                           loss_kernel="torch")
+    assert out.model.fused_loss
+    validate(out, 1)
+    cfg.model.loss_chunk_size = 0
     moe = Shapes(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, head_dim=16, ffn=96, vocab=100,
                  n_experts=4, experts_per_tok=2)
     cfg.model.mlp_tile_tokens = 256
