@@ -87,15 +87,24 @@ if os.environ.get("BENCH_MEMORY_SMOKE") == "1":  # a CPU check of the plumbing: 
 
 
 def _settings(flags: list[str]):
+    import torch
+
     from cp_rope.launch.plan_memory import Settings
+    from cp_rope.parallel._loss_impl import loss_impl
 
     def val(name, default):
         return flags[flags.index(name) + 1] if name in flags else default
 
+    chunk = int(val("--loss-chunk-size", 0))
+    # the fused loss's kernel as the trainer resolves it here (the run's log names the same)
+    kernel = loss_impl(val("--loss-impl", "auto"), torch.empty(
+        1, 1, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu"),
+        chunk or None)
     return Settings(activation_checkpointing=val("--activation-checkpointing", "none"),
                     offload_activations="--offload-activations" in flags,
                     mlp_tile_tokens=int(val("--mlp-tile-tokens", 0)),
-                    fused_loss="--no-fused-loss" not in flags)
+                    fused_loss="--no-fused-loss" not in flags, loss_chunk_size=chunk,
+                    loss_impl=kernel)
 
 
 def _optional_flags() -> list[str]:

@@ -53,3 +53,19 @@ def test_rates_without_a_time_are_left_out(tmp_path):
     _write(tmp_path, rows[:2])
     out = script_module("bench_memory")._read_metrics(str(tmp_path))
     assert "tokens_per_s" not in out and out["steps"] == 2
+
+
+def test_predictions_price_the_runs_loss_kernel(monkeypatch):
+    """The planner's prediction for a row prices the loss the trainer ran: --loss-chunk-size
+    for the torch loop, and the kernel --loss-impl resolves to here (liger where the trainer
+    would pick it: a stand-in resolver says liger)."""
+    bench = script_module("bench_memory")
+    st = bench._settings(["--activation-checkpointing", "selective", "--loss-chunk-size", "512"])
+    assert (st.activation_checkpointing, st.loss_chunk_size, st.loss_impl) == ("selective", 512,
+                                                                               "torch")
+    import cp_rope.parallel._loss_impl as impl
+
+    monkeypatch.setattr(impl, "loss_impl", lambda name, hidden, chunk: "liger" if
+                        name == "auto" and chunk is None else "torch")
+    assert bench._settings([]).loss_impl == "liger"
+    assert bench._settings(["--loss-impl", "torch"]).loss_impl == "torch"
