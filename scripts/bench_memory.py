@@ -4,6 +4,7 @@ against the planner's prediction (issue 21).
 
     python scripts/bench_memory.py --out /tmp/mem.json            # every config, ~6 min on an H200
     python scripts/bench_memory.py --only hf --budget-s 200
+    python scripts/bench_memory.py --only hf --tokens 262144 --top 1 --flags "--mlp-tile-tokens 32768"
 
 Two models, each in its own child process (one CUDA context, the configs in turn,
 each one a fresh trainer: ``cp_rope.launch.finetune_hf.main`` /
@@ -27,7 +28,9 @@ new batch shapes; the 32K throughput config runs 40 steps so that its later half
 past most of them): tokens over seconds, not a mean of the steps' rates, which overstates
 a run whose step times vary. Then the planner's predicted peak
 (:func:`cp_rope.launch.plan_memory.estimate`) and its ratio to the peak of the steps
-after the first (none for a 1-step run). ``--print-plans``
+after the first (none for a 1-step run). ``--flags`` changes every config run: a flag it
+names replaces that flag's value in a config, any other is added (an A/B of one setting on
+the same batches; the row's settings show the result). ``--print-plans``
 adds the planner's answers for 1,048,576 tokens (cp 1 and per rank at cp 8) for
 the 1b preset and a Llama-3-8B shape on 141 GB GPUs. Prints a markdown table.
 """
@@ -147,6 +150,29 @@ def _corpus(path: str, n_tokens: int) -> None:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
 
 
+def merge_flags(flags: list[str], extra: list[str]) -> list[str]:
+    """``flags`` with ``extra`` applied: a flag of ``extra`` that ``flags`` has replaces its
+    value there (or, without a value in ``extra``, stays as given), any other is appended.
+
+    Raises: ValueError naming ``--flags`` for an item of ``extra`` that is no ``--flag``.
+    """
+    out = list(flags)
+    i = 0
+    while i < len(extra):
+        name = extra[i]
+        if not name.startswith("--"):
+            raise ValueError(f"--flags: {name!r} is not a flag (expected --name [value])")
+        value = [extra[i + 1]] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else []
+        if name in out:
+            j = out.index(name)
+            has = j + 1 < len(out) and not out[j + 1].startswith("--")
+            out[j:j + 1 + has] = [name, *value]
+        else:
+            out += [name, *value]
+        i += 1 + len(value)
+    return out
+
+
 def _argv(group: str, tokens: int, flags: list[str], steps: int, work: str) -> list[str]:
     common = ["--steps", "100", "--stop-at-step", str(steps), "--log-every", "1",
               "--no-save-final", "--no-save-on-signal", "--no-progress", "--no-tensorboard",
@@ -220,6 +246,7 @@ def _child(group: str, work: str, results: str, deadline: float) -> None:
             break
         left = deadline - time.time()
         steps = int(os.environ.get("BENCH_MEMORY_STEPS") or steps)
+        flags = merge_flags(flags, os.environ.get("BENCH_MEMORY_FLAGS", "").split())
         row = {"group": g, "tokens": tokens, "flags": " ".join(flags) or "(defaults)", "why": why}
         if left < need_s:
             row["result"] = f"skipped (budget: {left:.0f} s left, needs ~{need_s} s)"
@@ -310,6 +337,10 @@ def main() -> None:
     p.add_argument("--top", type=int, default=0,
                    help="only the first N configs of each model (the list is in order of "
                         "importance; with --only hf --top 2: issue 31's two finetune_hf targets)")
+    p.add_argument("--flags", default="",
+                   help="finetune_hf / pretrain flags for every config run, one string: a flag a "
+                        "config has gets this value, others are added (e.g. \"--mlp-tile-tokens "
+                        "32768\")")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)
@@ -327,6 +358,10 @@ def main() -> None:
         p.error(f"--top {a.top}: must be >= 1 (0 = every config)")
     if a.steps < 0:
         p.error(f"--steps {a.steps}: must be >= 1 (0 = each config's own)")
+    try:
+        merge_flags([], a.flags.split())
+    except ValueError as exc:
+        p.error(str(exc))
     a.tokens = ",".join(map(str, sorted(wanted)))
     if a.child:
         _child(a.child, a.work, a.results, a.deadline)
@@ -349,7 +384,8 @@ def main() -> None:
                "--deadline", str(deadline)]
         env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
                    PYTHONUNBUFFERED="1", BENCH_MEMORY_TOKENS=a.tokens,
-                   BENCH_MEMORY_STEPS=str(a.steps or ""), BENCH_MEMORY_TOP=str(a.top or ""))
+                   BENCH_MEMORY_STEPS=str(a.steps or ""), BENCH_MEMORY_TOP=str(a.top or ""),
+                   BENCH_MEMORY_FLAGS=a.flags)
         try:
             subprocess.run(cmd, env=env, timeout=share + 30, check=False)
         except subprocess.TimeoutExpired:

@@ -69,3 +69,20 @@ def test_predictions_price_the_runs_loss_kernel(monkeypatch):
                         name == "auto" and chunk is None else "torch")
     assert bench._settings([]).loss_impl == "liger"
     assert bench._settings(["--loss-impl", "torch"]).loss_impl == "torch"
+
+
+def test_flags_replace_a_configs_value_or_are_added():
+    """--flags: a flag the config has gets the new value (the A/B runs one setting changed),
+    others are appended; something that is no flag is refused naming --flags."""
+    merge = script_module("bench_memory").merge_flags
+    base = ["--activation-checkpointing", "selective", "--offload-activations",
+            "--mlp-tile-tokens", "16384"]
+    assert merge(base, ["--mlp-tile-tokens", "32768"]) == [
+        "--activation-checkpointing", "selective", "--offload-activations",
+        "--mlp-tile-tokens", "32768"]
+    assert merge(base, ["--no-fused-norm", "--loss-impl", "torch"]) == [
+        *base, "--no-fused-norm", "--loss-impl", "torch"]
+    assert merge([], ["--lr", "-1e-4"]) == ["--lr", "-1e-4"]
+    assert merge(base, []) == base
+    with pytest.raises(ValueError, match="--flags: '32768'"):
+        merge(base, ["32768"])
