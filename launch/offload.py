@@ -105,6 +105,16 @@ class _Handle:
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
 
+class _Kept:
+    """What autograd keeps for a tensor of a layer that stays on the device (``keep_from``): the
+    tensor, and the layer whose unpack prefetches the layer before."""
+
+    __slots__ = ("t", "group")
+
+    def __init__(self, t, group):
+        self.t, self.group = t, group
+
+
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """A uint8 tensor over ``t``'s whole storage."""
     return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage())
@@ -131,12 +141,20 @@ class ActivationOffloader:
 
     Args:
         min_bytes: smallest tensor offloaded, in bytes (default 1 MiB).
+        keep_from: layers of this index and above keep their tensors on the device (None:
+            none). The last layers' tensors are the first that backward needs, right after the
+            forward: kept, they are not copied out and back, and backward does not start by
+            waiting for a copy; the first unpack of a kept layer prefetches the layer before.
+
+    Raises: ValueError naming ``min_bytes`` or ``keep_from`` when negative.
     """
 
-    def __init__(self, *, min_bytes: int = 1 << 20):
+    def __init__(self, *, min_bytes: int = 1 << 20, keep_from: int | None = None):
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
-        self.min_bytes = min_bytes
+        if keep_from is not None and keep_from < 0:
+            raise ValueError(f"keep_from must be >= 0 or None, got {keep_from}")
+        self.min_bytes, self.keep_from = min_bytes, keep_from
         self._stream = None
         self._group = None
         self._pending: dict[int, list[_Stored]] = {}  # group -> stored, not yet brought back
@@ -164,6 +182,8 @@ class ActivationOffloader:
         if (self._group is None or t.numel() * t.element_size() < self.min_bytes
                 or _is_parameter(t) or t.layout != torch.strided):
             return t
+        if self.keep_from is not None and self._group >= self.keep_from:
+            return _Kept(t, self._group)
         ptr = (t.device, t.untyped_storage().data_ptr())
         hit = self._seen.get(ptr)
         if hit is None:
@@ -204,6 +224,9 @@ class ActivationOffloader:
 
     def unpack(self, h):
         """The saved-tensor unpack hook: the tensor back on its device (prefetching the layer before)."""
+        if isinstance(h, _Kept):
+            self._bring_back(h.group - 1)
+            return h.t
         if not isinstance(h, _Handle):
             return h
         stored = h.stored
@@ -305,7 +328,8 @@ class _ReplayAttention(_SelectiveMode):
         _, out = self.kept.popleft()
         if self.offloader is None:
             return out
-        return tree_map(lambda t: self.offloader.unpack(t) if isinstance(t, _Handle) else t, out)
+        return tree_map(lambda t: self.offloader.unpack(t) if isinstance(t, _Handle | _Kept) else t,
+                        out)
 
 
 def _rng_states(device: torch.device) -> tuple:

@@ -350,3 +350,41 @@ def test_cp2_ring_modes_with_offload_give_the_same_gradients():
     from dist_utils import run_distributed
 
     run_distributed(_cp2_body, 2, timeout_s=120)
+
+
+@pytest.mark.parametrize("mode", ["none", "full", "selective"])
+def test_offloader_keeps_the_last_layers_on_the_device(mode):
+    """keep_from=2 of 3 layers: the last layer's tensors are not copied out (fewer bytes than
+    keeping none), the gradients are those without offload, bit for bit, and the first unpack
+    of the kept layer brings the layer before back (nothing of it is pending after backward)."""
+    torch.manual_seed(0)
+    stacks = [nn.ModuleList(_SDPABlock() for _ in range(3)) for _ in range(3)]
+    for s in stacks[1:]:
+        s.load_state_dict(stacks[0].state_dict())
+    x = torch.randn(1, 24, 16, dtype=torch.float64)
+    grads, sent = [], []
+    for stack, off in zip(stacks, (None, ActivationOffloader(min_bytes=0),
+                                   ActivationOffloader(min_bytes=0, keep_from=2)), strict=True):
+        stack.double()
+        for i, block in enumerate(stack):
+            wrap_layer(block, i, mode, off)
+        brought = []
+        if off is not None:
+            inner = off._bring_back
+            off._bring_back = lambda g, inner=inner, log=brought: (log.append(g), inner(g))[1]
+        h = x
+        for block in stack:
+            h = block(h)
+        h.square().mean().backward()
+        grads.append([p.grad for p in stack.parameters()])
+        sent.append(None if off is None else off.bytes_offloaded)
+        if off is not None:
+            assert not any(off._pending.values()), "a layer was never brought back"
+            # backward's first unpack is of the last layer: kept, it prefetches layer 1
+            assert brought[0] == (1 if off.keep_from == 2 else 2), brought
+    for got in grads[1:]:
+        for a, b in zip(grads[0], got, strict=True):
+            assert torch.equal(a, b)
+    assert 0 < sent[2] < sent[1]
+    with pytest.raises(ValueError, match="keep_from"):
+        ActivationOffloader(keep_from=-1)
