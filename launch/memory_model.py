@@ -18,7 +18,9 @@ rank; ``N = dp x cp`` FSDP2 ranks; bf16 compute on fp32 master weights):
   of its ``num_experts_per_tok`` experts, and the router's probabilities); ``full``
   keeps the layer input, ``selective`` the input, attention output and LSE, and with
   offload a tiled MLP's output);
-  with offload, two layers' worth in flight on the GPU;
+  with offload, two layers' worth in flight on the GPU (the last layer's stay there: at the
+  loss, they and the copy in progress; in backward, the current layer's and the prefetch) and
+  the other layers' in pinned host memory;
 * the peak is the larger of two phases, and the components printed are that
   phase's: **the loss** (every layer's kept tensors, the layer outputs and the
   final norm's, and the loss: unfused ``[T, V]`` logits, their fp32 copy and
@@ -198,7 +200,8 @@ def estimate(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int = 1,
         comm = 2 * _ring_rows(s, tokens, t, doc_len or tokens) * 2 * kv * 2
     out["communication"] = comm
     out["total"] = max(sum(out.values()), 16 * s.params // n)  # the optimizer step's peak
-    out["host (pinned)"] = t * s.n_layers * kept if st.offload_activations else 0
+    # the last layer's kept tensors stay on the GPU (launch/parallelize.py), as in_flight counts
+    out["host (pinned)"] = t * (s.n_layers - 1) * kept if st.offload_activations else 0
     return out
 
 
@@ -232,6 +235,6 @@ def step_seconds(s: Shapes, st: Settings, *, tokens: int, cp: int = 1, dp: int =
     compute = flops / ASSUMED_FLOPS
     if st.offload_activations:
         kept, _ = _per_token_layer(s, st.activation_checkpointing, st.mlp_tile_tokens > 0, True)
-        copy = 2 * s.n_layers * kept * t / HOST_BW
+        copy = 2 * (s.n_layers - 1) * kept * t / HOST_BW  # the last layer is not offloaded
         compute += max(0.0, copy - 0.5 * compute) + 0.02 * compute
     return compute

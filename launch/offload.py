@@ -169,7 +169,8 @@ class ActivationOffloader:
     def layer(self, index: int):
         """Offload what autograd saves inside the block as layer ``index``'s tensors."""
         outer, self._group = self._group, index
-        self._pending[index] = []
+        if self.keep_from is None or index < self.keep_from:
+            self._pending[index] = []
         try:
             with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
                 yield self

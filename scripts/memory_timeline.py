@@ -14,7 +14,8 @@ Runs ``cp_rope.launch.finetune_hf.main`` on bench_memory's Qwen3 shape and corpu
 and records, at each mark, ``torch.cuda.memory_allocated`` and the peak since the previous
 mark (GiB): every layer's forward entry / exit (``f3<`` / ``f3>``) and first use of its
 offloaded tensors in backward (``b3``; the per-layer marks come from the activation offloader,
-so they need ``--offload-activations``, and the backward ones tensors of at least its 1 MiB),
+so they need ``--offload-activations``, and the backward ones tensors of at least its 1 MiB;
+the last layer's, which stay on the device, are marked as they are unpacked too),
 after the forward with the loss (``fwd+loss``), the backward (``bwd``), the gradient clip
 (``clip``) and the optimizer step (``opt``). One line per step. Each mark resets the peak
 statistic, so the trainer's own ``peak mem`` lines in between are peaks since the last mark.
@@ -204,9 +205,11 @@ def main(argv: list[str] | None = None) -> None:
         mark(f"f{index}>")
 
     def unpack(self, h):
-        if isinstance(h, O._Handle) and h.stored.group not in seen:
-            seen.add(h.stored.group)
-            mark(f"b{h.stored.group}")
+        # an offloaded tensor (_Handle) or one of the last layer, kept on the device (_Kept)
+        group = h.stored.group if isinstance(h, O._Handle) else getattr(h, "group", None)
+        if isinstance(h, O._Handle | O._Kept) and group not in seen:
+            seen.add(group)
+            mark(f"b{group}")
         return inner_unpack(self, h)
 
     inner_step, inner_clip = pretrain.train_step, pretrain.clip_gradients

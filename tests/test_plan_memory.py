@@ -51,7 +51,8 @@ def test_the_arithmetic_by_component():
     assert sel["layer working set"] == 1000 * (everything + 4 * 96) and sel["loss"] == 0
     off = estimate(S, Settings(offload_activations=True), tokens=1000)  # two layers on the GPU
     assert off["saved activations"] == 1000 * (2 * everything + 3 * 2 * 64)
-    assert off["loss"] == fused and off["host (pinned)"] == 1000 * 3 * everything
+    # the last layer stays on the GPU: two of the three layers in host memory
+    assert off["loss"] == fused and off["host (pinned)"] == 1000 * 2 * everything
     long = estimate(S, Settings(activation_checkpointing="full", mlp_tile_tokens=256),
                     tokens=1 << 20)  # tiled: the attention backward is the layer's peak
     tiled = everything - 8 * 96
@@ -90,7 +91,9 @@ def test_choose_takes_the_fastest_setting_that_fits_and_says_what_it_would_need(
     st, est = choose(s, tokens=8192, gpu_bytes=141 * 10**9)
     assert st.activation_checkpointing == "none" and not st.offload_activations
     st, est = choose(s, tokens=262144, gpu_bytes=40 * GIB, headroom=1.0)
-    assert est["total"] <= 40 * GIB and st.activation_checkpointing != "none"
+    assert est["total"] <= 40 * GIB  # by saving memory (none alone needs more):
+    assert st.activation_checkpointing != "none" or st.offload_activations
+    assert estimate(s, Settings(), tokens=262144)["total"] > 40 * GIB
     with pytest.raises(ConfigError, match=r"nothing fits 4,194,304 tokens .* needs [\d.]+ GiB "
                                           r"per GPU; use a larger --cp-size"):
         choose(s, tokens=1 << 22, gpu_bytes=40 * GIB)
