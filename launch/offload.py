@@ -23,7 +23,9 @@ Three pieces, applied to each decoder layer by :func:`wrap_layer` (which
   the first use of layer ``i``'s tensors brings them back and starts the copy of
   layer ``i - 1``'s, so that the host-to-device copies overlap the backward of
   the layer before. torchtune's ``OffloadActivations`` and torch's ``save_on_cpu``
-  are the models; this one groups by layer to prefetch.
+  are the models; this one groups by layer to prefetch. ``keep_from`` leaves the last
+  layers' tensors on the device (:func:`~cp_rope.launch.parallelize.apply_activation_checkpointing`
+  keeps the last layer's: backward needs them first).
 
 Values are exact: every mode computes the same numbers as no checkpointing
 (recomputation is deterministic; offloaded tensors come back bit for bit).
