@@ -109,12 +109,15 @@ class _Handle:
 
 class _Kept:
     """What autograd keeps for a tensor of a layer that stays on the device (``keep_from``): the
-    tensor, and the layer whose unpack prefetches the layer before."""
+    tensor detached (the live one would close a reference cycle through its own grad_fn, which
+    the garbage collector cannot break: a graph dropped without backward would leak), its
+    version (autograd's in-place check, which the hooks bypass) and the layer whose unpack
+    prefetches the layer before."""
 
-    __slots__ = ("t", "group")
+    __slots__ = ("t", "group", "version")
 
     def __init__(self, t, group):
-        self.t, self.group = t, group
+        self.t, self.group, self.version = t.detach(), group, t._version
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -228,6 +231,11 @@ class ActivationOffloader:
     def unpack(self, h):
         """The saved-tensor unpack hook: the tensor back on its device (prefetching the layer before)."""
         if isinstance(h, _Kept):
+            if h.t._version != h.version:  # what autograd raises without the hooks
+                raise RuntimeError(
+                    "one of the variables needed for gradient computation has been modified by "
+                    f"an inplace operation: a {h.t.dtype} {list(h.t.shape)} tensor of layer "
+                    f"{h.group} is at version {h.t._version}; expected version {h.version}")
             self._bring_back(h.group - 1)
             return h.t
         if not isinstance(h, _Handle):

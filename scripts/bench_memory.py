@@ -4,7 +4,7 @@ against the planner's prediction (issue 21).
 
     python scripts/bench_memory.py --out /tmp/mem.json            # every config, ~6 min on an H200
     python scripts/bench_memory.py --only hf --budget-s 200
-    python scripts/bench_memory.py --only hf --tokens 262144 --top 1 --flags "--mlp-tile-tokens 32768"
+    python scripts/bench_memory.py --only hf --tokens 262144 --top 1 --flags="--mlp-tile-tokens 32768"
 
 Two models, each in its own child process (one CUDA context, the configs in turn,
 each one a fresh trainer: ``cp_rope.launch.finetune_hf.main`` /
@@ -95,15 +95,18 @@ def _settings(flags: list[str]):
     from cp_rope.launch.plan_memory import Settings
     from cp_rope.parallel._loss_impl import loss_impl
 
-    def val(name, default):
-        return flags[flags.index(name) + 1] if name in flags else default
+    def val(name, default, bare=None):  # bare: the value of the flag given without one
+        if name not in flags:
+            return default
+        j = flags.index(name) + 1
+        return flags[j] if j < len(flags) and not flags[j].startswith("--") else bare
 
     chunk = int(val("--loss-chunk-size", 0))
     # the fused loss's kernel as the trainer resolves it here (the run's log names the same)
     kernel = loss_impl(val("--loss-impl", "auto"), torch.empty(
         1, 1, dtype=torch.bfloat16, device="cuda" if torch.cuda.is_available() else "cpu"),
         chunk or None)
-    return Settings(activation_checkpointing=val("--activation-checkpointing", "none"),
+    return Settings(activation_checkpointing=val("--activation-checkpointing", "none", "full"),
                     offload_activations="--offload-activations" in flags,
                     mlp_tile_tokens=int(val("--mlp-tile-tokens", 0)),
                     fused_loss="--no-fused-loss" not in flags, loss_chunk_size=chunk,
@@ -151,18 +154,29 @@ def _corpus(path: str, n_tokens: int) -> None:
 
 
 def merge_flags(flags: list[str], extra: list[str]) -> list[str]:
-    """``flags`` with ``extra`` applied: a flag of ``extra`` that ``flags`` has replaces its
-    value there (or, without a value in ``extra``, stays as given), any other is appended.
+    """``flags`` with ``extra`` applied, so that each setting is given once (the trainer and the
+    prediction, :func:`_settings`, then read the same): a flag of ``extra`` that ``flags`` has
+    replaces its value there (or, without a value in ``extra``, stays bare), any other is
+    appended; ``--no-x`` drops ``--x`` (and ``--x`` drops ``--no-x``); ``--name=value`` is
+    read as ``--name value``.
 
     Raises: ValueError naming ``--flags`` for an item of ``extra`` that is no ``--flag``.
     """
+    items = [y for x in extra for y in (x.split("=", 1) if x.startswith("--") else [x])]
     out = list(flags)
+
+    def drop(name):
+        if name in out:
+            j = out.index(name)
+            del out[j:j + 1 + (j + 1 < len(out) and not out[j + 1].startswith("--"))]
+
     i = 0
-    while i < len(extra):
-        name = extra[i]
+    while i < len(items):
+        name = items[i]
         if not name.startswith("--"):
             raise ValueError(f"--flags: {name!r} is not a flag (expected --name [value])")
-        value = [extra[i + 1]] if i + 1 < len(extra) and not extra[i + 1].startswith("--") else []
+        value = [items[i + 1]] if i + 1 < len(items) and not items[i + 1].startswith("--") else []
+        drop("--" + name[5:] if name.startswith("--no-") else "--no-" + name[2:])
         if name in out:
             j = out.index(name)
             has = j + 1 < len(out) and not out[j + 1].startswith("--")
@@ -339,8 +353,9 @@ def main() -> None:
                         "importance; with --only hf --top 2: issue 31's two finetune_hf targets)")
     p.add_argument("--flags", default="",
                    help="finetune_hf / pretrain flags for every config run, one string: a flag a "
-                        "config has gets this value, others are added (e.g. \"--mlp-tile-tokens "
-                        "32768\")")
+                        "config has gets this value, others are added; --no-x replaces --x "
+                        "(e.g. --flags=\"--mlp-tile-tokens 32768\"; write --flags=... for a "
+                        "value that starts with --)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--results", help=argparse.SUPPRESS)

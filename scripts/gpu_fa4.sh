@@ -20,7 +20,8 @@
 #   profile262  scripts/profile_trainer.py at 262,144 tokens (bench_memory's selective + offload +
 #          tiled config), 2 steps recorded, the op table by GPU time
 #   ab     bench_memory's 262,144-token target config again, once per flag set of $AB_FLAGS
-#          (';'-separated, e.g. "--mlp-tile-tokens 32768;--mlp-tile-tokens 65536"), --flags each
+#          (';'-separated, e.g. " ;--mlp-tile-tokens 32768;--no-fused-norm": ' ' is the config
+#          as it is), bench_memory --flags each
 #   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)
 #   families  scripts/bench_families.py (issue 33: Gemma-3 and GPT-OSS shapes at 131,072)
 #
@@ -177,19 +178,23 @@ part_profile262() {
   timeout 200 $PY scripts/profile_trainer.py --tokens 262144 --steps 5 --first 3 --record 2 \
     --table 40 --sort device \
     --flags "--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384" \
-    > "$LOGS/profile_262k.log" 2>&1
+    > "$LOGS/profile262_table.log" 2>&1
   local rc=$?
-  grep -E '^\{"tokens"' "$LOGS/profile_262k.log" | tee -a "$SUMMARY"
+  grep -E '^\{"tokens"' "$LOGS/profile262_table.log" | tee -a "$SUMMARY"
   return $rc
 }
 
 part_ab() {
   local rc=0 i=0 flags
-  IFS=';' read -ra sets <<< "${AB_FLAGS:-}"
+  if [ -z "${AB_FLAGS:-}" ]; then
+    say "ab: AB_FLAGS is empty: give one or more ';'-separated flag sets (' ' for the config as is)"
+    return 1
+  fi
+  IFS=';' read -ra sets <<< "$AB_FLAGS"
   for flags in "${sets[@]}"; do
     i=$((i + 1))
     timeout 200 $PY scripts/bench_memory.py --only hf --tokens 262144 --top 1 --budget-s 170 \
-      --flags "$flags" --out "$LOGS/ab$i.json" > "$LOGS/ab$i.log" 2>&1 || rc=1
+      --flags="$flags" --out "$LOGS/ab$i.json" > "$LOGS/ab$i.log" 2>&1 || rc=1
     grep -E "^\| hf" "$LOGS/ab$i.log" | tee -a "$SUMMARY"
   done
   return $rc

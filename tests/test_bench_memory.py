@@ -84,5 +84,17 @@ def test_flags_replace_a_configs_value_or_are_added():
         *base, "--no-fused-norm", "--loss-impl", "torch"]
     assert merge([], ["--lr", "-1e-4"]) == ["--lr", "-1e-4"]
     assert merge(base, []) == base
+    # one setting, given once: --no-x replaces --x, --x=value is --x value, a bare flag stays bare
+    assert merge(base, ["--no-offload-activations", "--mlp-tile-tokens=32768"]) == [
+        "--activation-checkpointing", "selective", "--mlp-tile-tokens", "32768",
+        "--no-offload-activations"]
+    assert merge(["--no-fused-norm"], ["--fused-norm"]) == ["--fused-norm"]
+    bare = merge(base, ["--activation-checkpointing"])
+    assert bare[:2] == ["--activation-checkpointing", "--offload-activations"]
+    bench = script_module("bench_memory")
+    st = bench._settings(bare)  # read as the trainer reads it: a bare flag is full
+    assert (st.activation_checkpointing, st.offload_activations) == ("full", True)
+    st = bench._settings(merge(base, ["--no-offload-activations", "--mlp-tile-tokens=32768"]))
+    assert (st.offload_activations, st.mlp_tile_tokens) == (False, 32768)
     with pytest.raises(ValueError, match="--flags: '32768'"):
         merge(base, ["32768"])

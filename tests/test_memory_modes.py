@@ -390,3 +390,63 @@ def test_offloader_keeps_the_last_layers_on_the_device(mode):
     assert 0 < sent[2] < sent[1]
     with pytest.raises(ValueError, match="keep_from"):
         ActivationOffloader(keep_from=-1)
+
+
+class _SideOutput(nn.Module):
+    """A layer that keeps a softmax of its pre-activation as a side output (e.g. router
+    probabilities for a log), which the loss does not use."""
+
+    def __init__(self):
+        super().__init__()
+        self.w, self.aux = nn.Linear(16, 16).double(), None
+
+    def forward(self, x):
+        h = self.w(x)
+        self.aux = torch.softmax(h, -1)
+        return h.tanh()
+
+
+@pytest.mark.parametrize("backward", [True, False])
+def test_a_kept_layer_frees_what_it_saved(backward):
+    """keep_from: the kept layer's saved tensors are freed with the graph, after backward or
+    when the graph is dropped without one (a tensor saved live would close a reference cycle
+    through its own grad_fn that the garbage collector cannot break)."""
+    import gc
+    import weakref
+
+    layers = nn.ModuleList([_SideOutput(), _SideOutput()])
+    off = ActivationOffloader(min_bytes=0, keep_from=1)
+    for i, layer in enumerate(layers):
+        wrap_layer(layer, i, "none", off)
+    refs = []
+    for _ in range(2):
+        h = torch.randn(8, 16, dtype=torch.float64)
+        for layer in layers:
+            h = layer(h)
+        refs.append(weakref.ref(layers[1].aux))
+        if backward:
+            h.square().mean().backward()
+        del h
+        layers[0].aux = layers[1].aux = None
+        gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def test_a_kept_layer_refuses_an_inplace_change_of_what_it_saved():
+    """keep_from: an in-place write to a saved tensor of the kept layer raises as autograd does
+    without the hooks (never silently wrong gradients)."""
+
+    class InPlace(nn.Module):
+        def forward(self, x):
+            y = x.exp()
+            z = y * 1.0
+            y.mul_(2)  # exp's backward needs y
+            return z
+
+    x = torch.randn(4, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        InPlace()(x).sum().backward()  # autograd's own check
+    layer = InPlace()
+    wrap_layer(layer, 0, "none", ActivationOffloader(min_bytes=0, keep_from=0))
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        layer(x).sum().backward()
