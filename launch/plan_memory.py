@@ -39,7 +39,7 @@ from .config import MEMORY_KNOBS, PRESETS, ConfigError, check_seq_len
 from .memory_model import GIB, Settings, estimate, step_seconds
 from .memory_shapes import Shapes
 
-__all__ = ["Shapes", "Settings", "estimate", "step_seconds", "candidates", "check_settings",
+__all__ = ["Shapes", "host_budget", "Settings", "estimate", "step_seconds", "candidates", "check_settings",
            "choose", "auto_settings", "main", "GIB"]
 
 HEADROOM = 0.88
@@ -85,9 +85,11 @@ def check_settings(s: Shapes, st: Settings, *, where: str = "mlp_tile_tokens") -
 
 def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
            doc_len: int | None = None, headroom: float = HEADROOM, host_bytes: int = 100 * GIB,
+           more_host: str = "allow more host memory (plan_memory's --host-memory-gib)",
            **kw) -> tuple[Settings, dict]:
     """The fastest :func:`candidates` setting whose estimate fits ``headroom * gpu_bytes`` (and,
-    offloading, whose pinned host memory fits ``host_bytes`` per GPU).
+    offloading, whose pinned host memory fits ``host_bytes`` per GPU; ``more_host``: how the
+    caller's user gets more, for the error).
 
     Returns: ``(settings, estimate)``.
 
@@ -117,8 +119,8 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
         raise ConfigError(
             f"{where} and {host_bytes / GIB:.1f} GiB of pinned host memory per GPU: the settings "
             f"that fit the GPU offload, the leanest ({lean[2].flags()}) "
-            f"{lean[3]['host (pinned)'] / GIB:.1f} GiB per GPU to the host; allow more host "
-            f"memory (plan_memory's --host-memory-gib) or {fewer}")
+            f"{lean[3]['host (pinned)'] / GIB:.1f} GiB per GPU to the host; {more_host} or "
+            f"{fewer}")
     if not fits:
         lean = min(scored, key=lambda x: x[1])
         raise ConfigError(f"{where}: the leanest setting ({lean[2].flags()}) needs "
@@ -127,8 +129,36 @@ def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
     return best[2], best[3]
 
 
+HOST_SHARE = 0.5
+"""Share of the machine's physical memory that ``--memory auto`` lets offload pin, split over
+the processes of the node (the rest: the OS, data loading, checkpoint staging)."""
+
+
+def host_budget(processes: int | None = None, ram: int | None = None) -> int:
+    """Pinned host bytes per process (GPU) that ``--memory auto`` may offload: :data:`HOST_SHARE`
+    of ``ram`` (default: the machine's physical memory, ``sysconf``) over ``processes`` (default:
+    torchrun's ``LOCAL_WORLD_SIZE``, else the visible GPUs, at least 1), at most 100 GiB
+    (``plan_memory``'s ``--host-memory-gib`` default). Without a readable ``ram``: 100 GiB."""
+    import os
+
+    if processes is None:
+        processes = int(os.environ.get("LOCAL_WORLD_SIZE") or 0)
+        if processes < 1:
+            import torch
+
+            processes = torch.cuda.device_count() if torch.cuda.is_available() else 1
+    if ram is None:
+        try:
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (AttributeError, ValueError, OSError):
+            ram = 0
+    cap = 100 * GIB
+    return cap if ram <= 0 else min(cap, int(HOST_SHARE * ram / max(1, processes)))
+
+
 def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None,
-                  gpu_bytes: int | None = None, loss_kernel: str | None = None):
+                  gpu_bytes: int | None = None, loss_kernel: str | None = None,
+                  host_bytes: int | None = None):
     """``--memory auto``: ``cfg`` (a PretrainConfig, vocab resolved) with the memory flags that
     :func:`choose` picks for ``cfg.data.tokens_per_batch`` tokens per step on ``device``.
 
@@ -142,7 +172,9 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     (:func:`candidates`). The fused loss is priced
     for the kernel the run will use (``--loss-impl`` resolved for ``device`` and the compute
     dtype, with ``--loss-chunk-size``; ``loss_kernel``, ``"torch"`` or ``"liger"``, says it
-    instead). ``gpu_bytes``: the GPU's memory (default: ``device``'s). On a CPU run without
+    instead). ``gpu_bytes``: the GPU's memory (default: ``device``'s); ``host_bytes``: the
+    pinned host memory per GPU offload may use (default: :func:`host_budget`, this machine's
+    share, so that offloading never pins more than the node has). On a CPU run without
     ``gpu_bytes`` nothing changes, and the message says which flags run. Returns
     ``(cfg, message)``; the message names the held flags.
 
@@ -174,15 +206,22 @@ def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None
     if loss_kernel is None:  # the library's own rule, on a one-row stand-in (as the run's log)
         loss_kernel = loss_impl(cfg.parallel.loss_impl, torch.empty(
             1, 1, dtype=compute_dtype(cfg, device.type), device=device), chunk or None)
+    host_bytes = host_budget() if host_bytes is None else host_bytes
     st, est = choose(s, tokens=cfg.data.tokens_per_batch, gpu_bytes=gpu_bytes, cp=cp, dp=dp,
-                     doc_len=cfg.data.seq_len, tiled_mlp="mlp_tile_tokens" in knobs,
+                     host_bytes=host_bytes, doc_len=cfg.data.seq_len,
+                     more_host=(f"run on nodes with more memory per GPU (--memory auto pins at "
+                                f"most {HOST_SHARE:.0%} of the node's memory over its processes) "
+                                "or give --offload-activations and the other memory flags "
+                                "yourself (--memory manual)"), tiled_mlp="mlp_tile_tokens" in knobs,
                      fused_loss="fused_loss" in knobs, fixed=fixed | required,
                      given={"loss_impl": loss_kernel, "loss_chunk_size": chunk})
     new = {k: getattr(st, k) for k in knobs}
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(m, memory="manual", **new))
     held = f", held: {' '.join(_held_flags(fixed))}" if fixed else ""
+    pinned = (f", {est['host (pinned)'] / GIB:.1f} of {host_bytes / GIB:.1f} GiB pinned host "
+              "memory" if st.offload_activations else "")
     return cfg, (f"memory=auto: {st.flags()} (predicted peak {est['total'] / GIB:.1f} of "
-                 f"{gpu_bytes / GIB:.1f} GiB per GPU{held})")
+                 f"{gpu_bytes / GIB:.1f} GiB per GPU{pinned}{held})")
 
 
 def report(s: Shapes, st: Settings, est: dict, *, title: str) -> str:

@@ -103,20 +103,23 @@ def test_choose_takes_the_fastest_setting_that_fits_and_says_what_it_would_need(
         estimate(s, Settings(activation_checkpointing="most"), tokens=8)
 
 
+HOST = 100 * GIB  # pinned host memory per GPU for --memory auto (its default: this machine's share)
+
+
 def test_memory_auto_sets_the_flags():
     cfg = PretrainConfig()
     cfg.model.vocab_size, cfg.model.memory = 320, "auto"
     cfg.data.tokens_per_batch = 1 << 20
     import torch
 
-    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=8 * GIB,
+    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=8 * GIB,
                               loss_kernel="torch")
     assert out.model.memory == "manual" and "memory=auto: --activation-checkpointing" in note
     assert out.model.activation_checkpointing != "none" or out.model.offload_activations
     same, note = auto_settings(cfg, torch.device("cpu"), dp=1, cp=1)
     assert same is cfg and "cpu" in note
     with pytest.raises(ConfigError, match="memory=auto: nothing fits"):
-        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=1 << 20,
+        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=1 << 20,
                       loss_kernel="torch")
 
 
@@ -223,10 +226,10 @@ def test_memory_auto_holds_the_flags_given_and_prices_the_runs_loss():
     cfg.model.vocab_size, cfg.model.memory = 151936, "auto"
     cfg.data.tokens_per_batch = cfg.data.seq_len = 8192
     cuda, big = torch.device("cuda"), 141 * 10**9
-    free, _ = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel="torch")
+    free, _ = auto_settings(cfg, cuda, dp=1, cp=1, host_bytes=HOST, gpu_bytes=big, loss_kernel="torch")
     assert (free.model.activation_checkpointing, free.model.mlp_tile_tokens) == ("none", 0)
     cfg.model.activation_checkpointing, cfg.model.mlp_tile_tokens = "selective", 4096
-    held, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel="torch")
+    held, note = auto_settings(cfg, cuda, dp=1, cp=1, host_bytes=HOST, gpu_bytes=big, loss_kernel="torch")
     assert (held.model.activation_checkpointing, held.model.mlp_tile_tokens) == ("selective",
                                                                                  4096)
     assert held.model.memory == "manual"
@@ -239,7 +242,7 @@ def test_memory_auto_holds_the_flags_given_and_prices_the_runs_loss():
     assert len(set(peak.values())) == 3  # the three loss prices differ here
     for kernel, chunk in (("torch", 0), ("liger", 0), ("torch", 256)):
         cfg.model.loss_chunk_size = chunk
-        _, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=big, loss_kernel=kernel)
+        _, note = auto_settings(cfg, cuda, dp=1, cp=1, host_bytes=HOST, gpu_bytes=big, loss_kernel=kernel)
         assert f"predicted peak {peak[kernel, chunk] / GIB:.1f} of" in note, (kernel, note)
     for bad, match in ((dict(gpu_bytes=0), "gpu_bytes must be > 0, got 0"),
                        (dict(gpu_bytes=big, host_bytes=-1), "host_bytes must be >= 0, got -1")):
@@ -282,7 +285,7 @@ def test_memory_auto_chooses_a_presets_memory_knobs_and_holds_the_flags_given(tm
     assert filed.offload_activations and filed.activation_checkpointing == "none"
     cfg = dataclasses.replace(parse_args(base + ["--memory", "auto"]), data=dataclasses.replace(
         preset("8b").data, seq_len=131072, tokens_per_batch=131072))
-    _, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=140 * GIB,
+    _, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=140 * GIB,
                             loss_kernel="torch")
     assert "held" not in note and "--activation-checkpointing full" not in note, note
     same, note = auto_settings(cfg, torch.device("cpu"), dp=1, cp=1)  # says what runs
@@ -302,16 +305,16 @@ def test_memory_auto_keeps_what_the_run_needs():
     cfg = preset("1b")
     cfg.model.memory, cfg.model.vocab_size = "auto", 128256
     cfg.data.seq_len = cfg.data.tokens_per_batch = 1024
-    free, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+    free, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=80 * GIB,
                             loss_kernel="torch")
     assert not free.model.fused_loss  # auto's loss: the unfused one is leaner here
     cfg.parallel.loss_impl = "torch"
-    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+    out, note = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=80 * GIB,
                               loss_kernel="torch")
     assert out.model.fused_loss and "held" not in note, note
     validate(out, 1)
     cfg.parallel.loss_impl, cfg.model.loss_chunk_size = "auto", 512  # the torch loop's chunks
-    out, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, gpu_bytes=80 * GIB,
+    out, _ = auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, host_bytes=HOST, gpu_bytes=80 * GIB,
                            loss_kernel="torch")
     assert out.model.fused_loss
     validate(out, 1)
@@ -320,7 +323,7 @@ def test_memory_auto_keeps_what_the_run_needs():
                  n_experts=4, experts_per_tok=2)
     cfg.model.mlp_tile_tokens = 256
     with pytest.raises(ConfigError, match="mlp_tile_tokens=256: a mixture-of-experts"):
-        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, shapes=moe, gpu_bytes=80 * GIB,
+        auto_settings(cfg, torch.device("cuda"), dp=1, cp=1, shapes=moe, host_bytes=HOST, gpu_bytes=80 * GIB,
                       loss_kernel="torch")
 
 
@@ -634,3 +637,38 @@ def test_plan_memory_refuses_a_tiled_mlp_of_experts_as_the_trainers_do(tmp_path,
     assert {st.mlp_tile_tokens for st in candidates(S)} == {0, 8192}
     got = main(["--model", path, "--seq-len", "4096", "--mlp-tile-tokens", "0", *extra])
     assert got["settings"]["mlp_tile_tokens"] == 0
+
+
+def test_memory_auto_offloads_only_what_the_machine_can_pin():
+    """--memory auto prices offload against this machine's pinned-memory share (HOST_SHARE of
+    its RAM over the node's processes, at most 100 GiB): the 1b preset at 262,144 tokens on a
+    40 GiB GPU offloads within it, or keeps off offload where the share is too small."""
+    import torch
+
+    from cp_rope.launch.plan_memory import HOST_SHARE, host_budget
+
+    assert host_budget(8, 2048 * GIB) == 100 * GIB  # capped as plan_memory's default
+    assert host_budget(8, 512 * GIB) == int(HOST_SHARE * 512 * GIB / 8)
+    assert host_budget(0, 64 * GIB) == int(HOST_SHARE * 64 * GIB)
+    assert host_budget(4, 0) == 100 * GIB  # RAM unknown: the default
+    assert 0 < host_budget() <= 100 * GIB
+    cfg = dataclasses.replace(PretrainConfig(), data=dataclasses.replace(
+        preset("1b").data, seq_len=262144, tokens_per_batch=262144))
+    cfg.model = preset("1b").model
+    cfg.model.memory = "auto"
+    cuda = torch.device("cuda")
+    for gpu, host in ((40, 100 * GIB), (40, 20 * GIB), (80, 0)):
+        out, note = auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=gpu * GIB,
+                                  loss_kernel="torch", host_bytes=host)
+        shapes = Shapes.from_model_config(out.model)
+        st = Settings(**{k: getattr(out.model, k) for k in ("activation_checkpointing",
+                                                           "offload_activations",
+                                                           "mlp_tile_tokens", "fused_loss")})
+        assert estimate(shapes, st, tokens=262144)["host (pinned)"] <= host, (host, note)
+        assert ("pinned host memory" in note) == out.model.offload_activations
+    assert not out.model.offload_activations  # host 0: no offload
+    with pytest.raises(ConfigError, match=r"0.0 GiB of pinned host memory per GPU.*run on nodes "
+                                          r"with more memory per GPU \(--memory auto pins at "
+                                          r"most 50%"):
+        auto_settings(cfg, cuda, dp=1, cp=1, gpu_bytes=40 * GIB, loss_kernel="torch",
+                      host_bytes=0)
