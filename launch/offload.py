@@ -106,6 +106,11 @@ class _Handle:
         self.stored, self.dtype = stored, t.dtype
         self.size, self.stride, self.offset = t.size(), t.stride(), t.storage_offset()
 
+    @property
+    def group(self) -> int:
+        """The layer the tensor belongs to (as :attr:`_Kept.group`)."""
+        return self.stored.group
+
 
 class _Kept:
     """What autograd keeps for a tensor of a layer that stays on the device (``keep_from``): the
@@ -339,8 +344,7 @@ class _ReplayAttention(_SelectiveMode):
         _, out = self.kept.popleft()
         if self.offloader is None:
             return out
-        return tree_map(lambda t: self.offloader.unpack(t) if isinstance(t, _Handle | _Kept) else t,
-                        out)
+        return tree_map(self.offloader.unpack, out)  # handles back, anything else as it is
 
 
 def _rng_states(device: torch.device) -> tuple:

@@ -42,6 +42,10 @@ from .memory_shapes import Shapes
 __all__ = ["Shapes", "host_budget", "Settings", "estimate", "step_seconds", "candidates", "check_settings",
            "choose", "auto_settings", "main", "GIB"]
 
+HOST_BYTES = 100 * GIB
+"""Pinned host memory per GPU that offload may use where the caller gives none (plan_memory's
+``--host-memory-gib`` default; the most :func:`host_budget` gives)."""
+
 HEADROOM = 0.88
 """Share of a GPU's memory a chosen setting may fill: the model's largest error on the measured
 peaks is 9.9 % under (:mod:`~cp_rope.launch.memory_model`), plus room for the allocator's fragmentation."""
@@ -84,7 +88,7 @@ def check_settings(s: Shapes, st: Settings, *, where: str = "mlp_tile_tokens") -
 
 
 def choose(s: Shapes, *, tokens: int, gpu_bytes: int, cp: int = 1, dp: int = 1,
-           doc_len: int | None = None, headroom: float = HEADROOM, host_bytes: int = 100 * GIB,
+           doc_len: int | None = None, headroom: float = HEADROOM, host_bytes: int = HOST_BYTES,
            more_host: str = "allow more host memory (plan_memory's --host-memory-gib)",
            **kw) -> tuple[Settings, dict]:
     """The fastest :func:`candidates` setting whose estimate fits ``headroom * gpu_bytes`` (and,
@@ -137,8 +141,8 @@ the processes of the node (the rest: the OS, data loading, checkpoint staging)."
 def host_budget(processes: int | None = None, ram: int | None = None) -> int:
     """Pinned host bytes per process (GPU) that ``--memory auto`` may offload: :data:`HOST_SHARE`
     of ``ram`` (default: the machine's physical memory, ``sysconf``) over ``processes`` (default:
-    torchrun's ``LOCAL_WORLD_SIZE``, else the visible GPUs, at least 1), at most 100 GiB
-    (``plan_memory``'s ``--host-memory-gib`` default). Without a readable ``ram``: 100 GiB."""
+    torchrun's ``LOCAL_WORLD_SIZE``, else the visible GPUs, at least 1), at most
+    :data:`HOST_BYTES` (also what it gives without a readable ``ram``)."""
     import os
 
     if processes is None:
@@ -152,8 +156,7 @@ def host_budget(processes: int | None = None, ram: int | None = None) -> int:
             ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
         except (AttributeError, ValueError, OSError):
             ram = 0
-    cap = 100 * GIB
-    return cap if ram <= 0 else min(cap, int(HOST_SHARE * ram / max(1, processes)))
+    return HOST_BYTES if ram <= 0 else min(HOST_BYTES, int(HOST_SHARE * ram / max(1, processes)))
 
 
 def auto_settings(cfg, device, *, dp: int, cp: int, shapes: Shapes | None = None,
@@ -276,8 +279,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--dp-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--gpu-memory-gib", type=float, default=141e9 / GIB,
                    help="memory of one GPU, GiB (default 131.3 = an H200's 141 GB)")
-    p.add_argument("--host-memory-gib", type=float, default=100.0,
-                   help="pinned host memory one GPU's offload may use, GiB (default 100)")
+    p.add_argument("--host-memory-gib", type=float, default=HOST_BYTES / GIB,
+                   help=f"pinned host memory one GPU's offload may use, GiB (default "
+                        f"{HOST_BYTES / GIB:.0f})")
     p.add_argument("--activation-checkpointing", choices=("none", "full", "selective"),
                    nargs="?", const="full",
                    help="estimate this setting, with the other setting flags (the trainers' "

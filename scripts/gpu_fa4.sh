@@ -15,8 +15,8 @@
 #   hf     scripts/bench_memory.py --only hf at 32,768 and 262,144 tokens (issue 31's finetune_hf
 #          targets; the attention backend auto, so cuDNN + FA4 where FA4 is installed);
 #          HF_TOP=2: those two configs alone (bench_memory --top 2), not the 262K comparisons
-#   profile  scripts/profile_trainer.py at 32,768 (and its trace) and 262,144 tokens (bench_memory's
-#          hf configs), and the model's step alone (scripts/profile_hf_step.py) at 32,768
+#   profile  scripts/profile_trainer.py at 32,768 (and its trace), the profile262 part, and the
+#          model's step alone (scripts/profile_hf_step.py) at 32,768
 #   profile262  scripts/profile_trainer.py at 262,144 tokens (bench_memory's selective + offload +
 #          tiled config), 2 steps recorded, the op table by GPU time
 #   ab     bench_memory's 262,144-token target config again, once per flag set of $AB_FLAGS
@@ -165,10 +165,7 @@ part_profile() {
   timeout 150 $PY scripts/profile_trainer.py --tokens 32768 --table 45 --trace "$OUT/trace_32k.json.gz" \
     > "$LOGS/profile_32k.log" 2>&1 || rc=1
   grep -E '^\{"tokens"' "$LOGS/profile_32k.log" | tee -a "$SUMMARY"
-  timeout 150 $PY scripts/profile_trainer.py --tokens 262144 --steps 5 --first 3 --record 2 \
-    --flags "--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384" \
-    > "$LOGS/profile_262k.log" 2>&1 || rc=1
-  grep -E '^\{"tokens"' "$LOGS/profile_262k.log" | tee -a "$SUMMARY"
+  part_profile262 || rc=1  # 262,144 tokens, its op table by GPU time
   timeout 100 $PY scripts/profile_hf_step.py --tokens 32768 --steps 4 2>"$LOGS/hf_step.log" \
     | tee -a "$SUMMARY" || rc=1
   return $rc
@@ -178,9 +175,9 @@ part_profile262() {
   timeout 200 $PY scripts/profile_trainer.py --tokens 262144 --steps 5 --first 3 --record 2 \
     --table 40 --sort device \
     --flags "--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384" \
-    > "$LOGS/profile262_table.log" 2>&1
+    > "$LOGS/profile_262k.log" 2>&1
   local rc=$?
-  grep -E '^\{"tokens"' "$LOGS/profile262_table.log" | tee -a "$SUMMARY"
+  grep -E '^\{"tokens"' "$LOGS/profile_262k.log" | tee -a "$SUMMARY"
   return $rc
 }
 

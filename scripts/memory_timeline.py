@@ -206,10 +206,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def unpack(self, h):
         # an offloaded tensor (_Handle) or one of the last layer, kept on the device (_Kept)
-        group = h.stored.group if isinstance(h, O._Handle) else getattr(h, "group", None)
-        if isinstance(h, O._Handle | O._Kept) and group not in seen:
-            seen.add(group)
-            mark(f"b{group}")
+        if isinstance(h, O._Handle | O._Kept) and h.group not in seen:
+            seen.add(h.group)
+            mark(f"b{h.group}")
         return inner_unpack(self, h)
 
     inner_step, inner_clip = pretrain.train_step, pretrain.clip_gradients
