@@ -22,6 +22,8 @@
 #   ab     bench_memory's 262,144-token target config again, once per flag set of $AB_FLAGS
 #          (';'-separated, e.g. " ;--mlp-tile-tokens 32768;--no-fused-norm": ' ' is the config
 #          as it is), bench_memory --flags each
+#   rmsnorm  scripts/bench_rms_norm.py: cp_rope's RMSNorm kernels vs Liger's and PyTorch's at the
+#          262,144-token finetune_hf rows
 #   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)
 #   families  scripts/bench_families.py (issue 33: Gemma-3 and GPT-OSS shapes at 131,072)
 #
@@ -194,6 +196,14 @@ part_ab() {
       --flags="$flags" --out "$LOGS/ab$i.json" > "$LOGS/ab$i.log" 2>&1 || rc=1
     grep -E "^\| hf" "$LOGS/ab$i.log" | tee -a "$SUMMARY"
   done
+  return $rc
+}
+
+part_rmsnorm() {
+  timeout 200 $PY scripts/bench_rms_norm.py > "$LOGS/rmsnorm.log" 2>&1
+  local rc=$?
+  grep -E "^\||^RMSNorm" "$LOGS/rmsnorm.log" | tee -a "$SUMMARY"
+  [ $rc = 0 ] || tail -5 "$LOGS/rmsnorm.log" | tee -a "$SUMMARY"
   return $rc
 }
 

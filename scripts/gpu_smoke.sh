@@ -24,8 +24,8 @@
 #                   attention with the auto backend: cuDNN on an H200) vs the unpatched model run
 #                   document by document, bf16
 #   gpu_tests       the GPU-marked tests: the cuDNN / flash / torch CP attention backends, the
-#                   RoPE kernel (formula and plan positions), the fused loss and tiled MLP in
-#                   bf16 against their references, a train step planned without a device sync
+#                   RoPE kernel (formula and plan positions), the fused loss, tiled MLP, SwiGLU and
+#                   RMSNorm kernels in bf16 against their references, a train step planned without a device sync
 #   fa4 part (when flash-attn-4 is importable: docs/parallel.md "FlashAttention-4"):
 #   pretrain_1b_fa4 pretrain_1b with --attn-backend fa4 (4 steps vs 2 + --resume)
 #   gpu_fa4         tests/test_fa4_gpu.py: fa4 and auto's cuDNN + FA4 split against float32, a
@@ -167,7 +167,8 @@ chain pretrain_1b_mem cp_rope.launch.pretrain 4 2 2 150 --preset 1b --n-layers 4
   t=$(date +%s)
   timeout 240 "$PY" -m pytest -q -p no:cacheprovider -m gpu tests/test_attention_gpu.py tests/test_window_gpu.py \
     tests/test_rope_gpu.py tests/test_rope_positions.py tests/test_loss_fused.py \
-    tests/test_loss_model.py tests/test_plan_step.py tests/test_swiglu.py > "$OUT/gpu_tests.log" 2>&1
+    tests/test_loss_model.py tests/test_plan_step.py tests/test_swiglu.py tests/test_rms_norm.py \
+    > "$OUT/gpu_tests.log" 2>&1
   record gpu_tests $? "$(tail -1 "$OUT/gpu_tests.log")" "$t"
 ) &
 FA4_PARTS=""

@@ -198,30 +198,33 @@ def test_a_refused_repatch_leaves_the_previous_patch_in_place():
     assert model.model.norm.__dict__["forward"] is forwards["model.norm"]
 
 
-def test_liger_rms_norm_on_cuda_only_when_installed(monkeypatch):
-    """On CUDA tensors the fused forward runs Liger-Kernel's RMSNorm where it imports (its
-    "llama" casting, dY not overwritten), PyTorch's rms_norm elsewhere and without it."""
+def test_triton_rms_norm_on_cuda_torch_elsewhere(monkeypatch):
+    """The fused forward runs cp_rope's Triton RMSNorm where the kernel backend is Triton (CUDA;
+    here the interpreter stands in for it), PyTorch's rms_norm on CPU and with
+    CP_ROPE_BACKEND=torch; both match float64 to bf16 (the kernel's rounding: test_rms_norm.py)."""
     norms = importlib.import_module("cp_rope.hf.norms")
-    calls = []
-
-    class FakeLiger:
-        @staticmethod
-        def apply(x, w, eps, offset, casting, in_place):
-            calls.append((offset, casting, in_place))
-            return torch.zeros_like(x)
-
-    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
-    assert norms.liger_rms_norm("cpu") is None and norms.norm_kernel("cpu") == "torch"
-    assert norms.liger_rms_norm("cuda") is FakeLiger and norms.norm_kernel("cuda") == "liger"
-    monkeypatch.setattr(norms, "_LIGER_NORM", [None])  # missing or broken
+    monkeypatch.delenv("CP_ROPE_BACKEND", raising=False)
+    assert norms.norm_kernel("cpu") == "torch" and norms.norm_kernel("cuda") == "triton"
+    monkeypatch.setenv("CP_ROPE_BACKEND", "torch")
     assert norms.norm_kernel("cuda") == "torch"
-    # the forward asks by the input's device: a CPU tensor never reaches Liger
-    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
+    monkeypatch.setenv("CP_ROPE_BACKEND", "cuda")
+    with pytest.raises(ValueError, match="CP_ROPE_BACKEND"):
+        norms.norm_kernel("cuda")
+    monkeypatch.delenv("CP_ROPE_BACKEND")
     module, cls = _norm_class("qwen3")
-    norm = cls(16).to(torch.bfloat16)
+    norm = cls(40, eps=1e-6).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(40) * 0.3 + 1)
     fuse_rms_norms(norm, module)
-    x = torch.randn(3, 16).to(torch.bfloat16)
-    assert not torch.equal(norm(x), torch.zeros_like(x)) and calls == []
-    monkeypatch.setattr(norms, "liger_rms_norm", lambda device_type: FakeLiger)
-    assert torch.equal(norm(x), torch.zeros_like(x))
-    assert calls == [(0.0, "llama", False)]
+    x = (torch.randn(3, 7, 40) * 2).to(torch.bfloat16)
+    calls = []
+    kernel = norms.rms_norm
+    monkeypatch.setattr(norms, "rms_norm", lambda *a, **k: calls.append(k) or kernel(*a, **k))
+    torch_out = norm(x)  # CPU: PyTorch's
+    assert calls == []
+    monkeypatch.setattr(norms, "norm_kernel", lambda device_type: "triton")
+    triton_out = norm(x)
+    assert calls == [{"backend": "triton"}]
+    want = _reference(x, norm.weight.detach(), 1e-6)
+    for got, name in ((torch_out, "torch"), (triton_out, "triton")):
+        assert_close(got, want, dtype=torch.bfloat16, name=name)

@@ -1,0 +1,243 @@
+"""Fused RMSNorm ``y = round(round(x * rstd) * w)``: one Triton kernel forward, one backward.
+
+RMSNorm (Zhang & Sennrich 2019, "Root Mean Square Layer Normalization", Eq. 4) with the
+rounding of transformers' Llama / Qwen / Mistral / Phi3 norms (``LlamaRMSNorm.forward``):
+``rstd = rsqrt(mean(x^2) + eps)`` in float32 over the last dimension, ``x * rstd`` rounded to
+the input dtype, times the weight, rounded again (Liger-Kernel's ``"llama"`` casting). The
+weight has the input's dtype: the product of two bf16 / fp16 values is exact in float32, so the
+kernel's one rounding of it is eager's.
+
+Backward (the same source, differentiated; ``m = dy * w``, ``n`` the row length)::
+
+    dx = rstd * (m - x * rstd^2 * sum(m * x) / n)
+    dw = sum over rows of dy * round(x * rstd)
+
+in float32 and rounded once. Autograd keeps ``x`` and the float32 ``rstd`` per row.
+
+Why not Liger-Kernel's: its backward launches one program per SM (132 on an H100) that walks
+its share of the rows one row (hidden rows) or 16 rows (head rows) at a time, one 4-warp
+program per SM; measured in the 262,144-token finetune_hf step (docs/benchmarks.md, round 13)
+it ran 1.8 ms per ``[262144, 1024]`` bf16 norm and 2.6 ms per ``[262144 x 16, 128]`` q norm,
+~4x and ~3x the time to read ``x`` and ``dy`` and write ``dx`` at the H100's bandwidth, and it
+zero-fills ``dx`` first. This backward tiles ``BLOCK_ROW x BLOCK_N`` (~4,096 elements) and runs
+several programs per SM; each keeps a float32 partial ``dw`` (``[programs, n]``, summed after).
+
+Grids: forward ``cdiv(rows, BLOCK_ROW)`` programs, backward at most ``8 x SMs`` (rows only:
+nothing scales with a document count or length); addressing is int64 (program ids widened
+before they multiply).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.autograd import forward_ad
+
+from cp_rope.ops import resolve_backend
+
+__all__ = ["rms_norm", "RMS_NORM_DTYPES", "MAX_KERNEL_COLS"]
+
+RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+"""Dtypes the Triton kernel runs; others (float64) take the PyTorch expression."""
+
+MAX_KERNEL_COLS = 16384
+"""Longest row the kernel runs (one row tile in registers); longer rows take PyTorch's."""
+
+_TILE = 4096  # elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
+_PROGRAMS_PER_SM = 8  # backward programs per SM (each keeps one partial dw row)
+
+
+def _kernels():
+    """The two Triton kernels, built on first use (Triton is only needed for this backend)."""
+    global _KERNELS
+    if _KERNELS is not None:
+        return _KERNELS
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _rms_norm_fwd(X, W, Y, RSTD, n_rows, n_cols, eps,
+                      BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr):
+        rows = tl.program_id(0).to(tl.int64) * BLOCK_ROW + tl.arange(0, BLOCK_ROW)
+        cols = tl.arange(0, BLOCK_N)
+        row_ok = rows < n_rows
+        col_ok = cols < n_cols
+        mask = row_ok[:, None] & col_ok[None, :]
+        offs = rows[:, None] * n_cols + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dt = Y.dtype.element_ty
+        x_hat = (x * rstd[:, None]).to(dt).to(tl.float32)
+        tl.store(Y + offs, (x_hat * w[None, :]).to(dt), mask=mask)
+        tl.store(RSTD + rows, rstd, mask=row_ok)
+
+    @triton.jit
+    def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PART, n_rows, n_cols,
+                      BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        step = tl.num_programs(0).to(tl.int64) * BLOCK_ROW
+        cols = tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
+        dt = DX.dtype.element_ty
+        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        for start in range(pid * BLOCK_ROW, n_rows, step):
+            rows = start + tl.arange(0, BLOCK_ROW)
+            row_ok = rows < n_rows
+            mask = row_ok[:, None] & col_ok[None, :]
+            offs = rows[:, None] * n_cols + cols[None, :]
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            m = dy * w[None, :]
+            c = tl.sum(m * x, axis=1) * rstd * rstd / n_cols
+            dx = rstd[:, None] * (m - c[:, None] * x)
+            tl.store(DX + offs, dx.to(dt), mask=mask)
+            x_hat = (x * rstd[:, None]).to(dt).to(tl.float32)
+            dw += tl.sum(dy * x_hat, axis=0)
+        tl.store(DW_PART + pid * n_cols + cols, dw, mask=col_ok)
+
+    _KERNELS = (triton, _rms_norm_fwd, _rms_norm_bwd)
+    return _KERNELS
+
+
+_KERNELS = None
+
+
+def _blocks(n_cols: int) -> tuple[int, int, int]:
+    """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements."""
+    block_n = 1 << max(n_cols - 1, 0).bit_length()
+    block_row = max(1, _TILE // block_n)
+    return block_row, block_n, min(16, max(4, block_row * block_n // 1024))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the interpreter (CPU): a few programs, so the row loop runs more than once
+
+
+def _launch(kernel, grid: int, device: torch.device, *args, num_warps: int, **meta) -> None:
+    """Launch on ``device`` (Triton launches on the current CUDA device otherwise)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        with torch.cuda.device(device):
+            kernel[(grid,)](*args, num_warps=num_warps, **meta)
+    else:
+        kernel[(grid,)](*args, num_warps=num_warps, **meta)
+
+
+def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: ``y`` like ``x`` (contiguous), ``rstd`` float32 ``[rows]``."""
+    triton, fwd, _ = _kernels()
+    n_cols = x.shape[-1]
+    n_rows = x.numel() // n_cols if n_cols else 0
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
+    if n_rows:
+        block_row, block_n, warps = _blocks(n_cols)
+        _launch(fwd, triton.cdiv(n_rows, block_row), x.device, x, w, y, rstd, n_rows, n_cols,
+                eps, num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
+    return y, rstd
+
+
+def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dx, dw)``: ``dx`` like ``x``, ``dw`` like ``w``; ``dy`` contiguous, ``x``'s shape."""
+    triton, _, bwd = _kernels()
+    n_cols = x.shape[-1]
+    n_rows = rstd.numel()
+    dx = torch.empty_like(x, memory_format=torch.contiguous_format)
+    if not n_rows:
+        return dx, torch.zeros_like(w)
+    block_row, block_n, warps = _blocks(n_cols)
+    grid = min(triton.cdiv(n_rows, block_row), _PROGRAMS_PER_SM * _sm_count(x.device))
+    dw_part = torch.empty(grid, n_cols, dtype=torch.float32, device=x.device)
+    _launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,
+            num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
+    return dx, dw_part.sum(0).to(w.dtype)
+
+
+def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The kernel's function in PyTorch ops (transformers' ``LlamaRMSNorm.forward``)."""
+    x32 = x.float()
+    return w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class _RMSNorm(torch.autograd.Function):
+    """Autograd for the kernels: keeps ``x``, ``w`` and the float32 ``rstd`` per row."""
+
+    @staticmethod
+    def forward(ctx, x, w, eps):
+        y, rstd = _forward(x, w, eps)
+        ctx.save_for_backward(x, w, rstd)
+        ctx.eps = eps
+        return y
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, w, rstd = ctx.saved_tensors
+        if torch.is_grad_enabled():  # create_graph=True: the function again in PyTorch ops,
+            wanted = [t for t, need in zip((x, w), ctx.needs_input_grad[:2], strict=True) if need]
+            with torch.enable_grad():  # differentiated by autograd (so differentiable again)
+                y = _torch_rms_norm(x, w, ctx.eps)
+            grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
+            return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
+        dx, dw = _backward(dy.contiguous(), x, w, rstd)
+        return dx, (dw if ctx.needs_input_grad[1] else None), None
+
+
+def _unkernelable(*tensors: torch.Tensor) -> bool:
+    """Whether a ``torch.func`` transform wraps one of ``tensors`` or one carries a forward-mode
+    tangent: the kernel reads raw storage and has no jvp, so those run the PyTorch expression."""
+    return any(torch._C._functorch.is_functorch_wrapped_tensor(t)
+               or forward_ad.unpack_dual(t).tangent is not None for t in tensors)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
+             backend: str = "auto") -> torch.Tensor:
+    """RMSNorm over the last dimension, fused (the module docstring gives the formula, its
+    source, the rounding and the backward).
+
+    Args:
+        x: ``[..., n]`` floating; float32 / float16 / bfloat16 for the kernel (float64 and
+            other floating dtypes take the PyTorch expression).
+        weight: ``[n]``, the same dtype and device as ``x``.
+        eps: added to the mean square (> 0, dimensionless).
+        backend: ``"auto"`` (the Triton kernel on CUDA tensors, PyTorch on CPU; or
+            ``$CP_ROPE_BACKEND``), ``"triton"`` or ``"torch"``. Rows longer than
+            :data:`MAX_KERNEL_COLS`, ``torch.compile``, ``torch.func`` transforms and
+            forward-mode dual tensors take the PyTorch expression.
+
+    Returns: ``[..., n]`` in ``x``'s dtype (contiguous from the kernel); differentiable in
+    ``x`` and ``weight`` (with ``create_graph=True`` the backward runs the PyTorch expression,
+    so it is differentiable again).
+
+    Raises: TypeError naming ``x`` / ``weight`` when one is not a floating tensor; ValueError
+    naming ``weight`` when its shape, dtype or device does not match ``x``, naming ``eps``
+    unless it is > 0, naming ``backend`` for an unknown backend, or for ``"triton"`` with CPU
+    tensors outside ``TRITON_INTERPRET=1``.
+    """
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got "
+                            f"{getattr(t, 'dtype', type(t).__name__)}")
+    if x.dim() == 0 or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
+            or weight.device != x.device:
+        raise ValueError(f"weight: must be [{x.shape[-1] if x.dim() else '?'}] of x's dtype and "
+                         f"device ({x.dtype} {x.device}), got {tuple(weight.shape)} "
+                         f"{weight.dtype} {weight.device}")
+    if not isinstance(eps, (int, float)) or not eps > 0:
+        raise ValueError(f"eps must be a number > 0, got {eps!r}")
+    if (resolve_backend(backend, x.device) == "torch" or x.dtype not in RMS_NORM_DTYPES
+            or x.shape[-1] > MAX_KERNEL_COLS or torch.compiler.is_compiling()
+            or _unkernelable(x, weight)):
+        return _torch_rms_norm(x, weight, float(eps))
+    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', "
+                         "or TRITON_INTERPRET=1 (set before cp_rope is imported)")
+    x, weight = x.contiguous(), weight.contiguous()
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _RMSNorm.apply(x, weight, float(eps))
+    return _forward(x, weight, float(eps))[0]
