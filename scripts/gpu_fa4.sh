@@ -18,7 +18,8 @@
 #   profile  scripts/profile_trainer.py at 32,768 (and its trace), the profile262 part, and the
 #          model's step alone (scripts/profile_hf_step.py) at 32,768
 #   profile262  scripts/profile_trainer.py at 262,144 tokens (bench_memory's selective + offload +
-#          tiled config), 2 steps recorded, the op table by GPU time
+#          tiled config), 2 steps recorded, the op table by GPU time; PROFILE_LAUNCHERS=REGEX adds
+#          the ops (shapes, code) that launched the kernels matching it
 #   ab     bench_memory's 262,144-token target config again, once per flag set of $AB_FLAGS
 #          (';'-separated, e.g. " ;--mlp-tile-tokens 32768;--no-fused-norm": ' ' is the config
 #          as it is), bench_memory --flags each
@@ -175,7 +176,7 @@ part_profile() {
 
 part_profile262() {
   timeout 200 $PY scripts/profile_trainer.py --tokens 262144 --steps 5 --first 3 --record 2 \
-    --table 40 --sort device \
+    --table 40 --sort device ${PROFILE_LAUNCHERS:+--launchers "$PROFILE_LAUNCHERS"} \
     --flags "--activation-checkpointing selective --offload-activations --mlp-tile-tokens 16384" \
     > "$LOGS/profile_262k.log" 2>&1
   local rc=$?

@@ -30,6 +30,7 @@ import gzip
 import importlib.util
 import json
 import os
+import re
 import shlex
 import shutil
 import tempfile
@@ -101,6 +102,40 @@ def _innermost(phases: list[tuple[int, int, str]], a: int, b: int) -> dict[str, 
     return out
 
 
+def _origin(event) -> str:
+    """Where a profiled op came from: the innermost stack frame outside torch's own files (the
+    stack is innermost first), else, in backward, the autograd node that ran it."""
+    for frame in getattr(event, "stack", None) or ():
+        if "/torch/" not in frame and "<built-in" not in frame:
+            return frame.rsplit("/", 1)[-1]
+    node = event
+    while node is not None:
+        if node.name.startswith("autograd::engine::evaluate_function: "):
+            return node.name.split(": ", 1)[1]
+        node = node.cpu_parent
+    return "?"
+
+
+def launchers(events, pattern: str, n_steps: int) -> list[dict]:
+    """The ops that launched the kernels whose name matches ``pattern`` (a regex), grouped by op
+    name, input shapes and :func:`_origin`: per group the kernel launches and GPU ms per step,
+    most GPU time first. ``events``: torch.profiler's ``FunctionEvent`` list (``prof.events()``,
+    recorded with shapes and stacks); each kernel is counted once, at the op that launched it
+    (the innermost: an op's ``kernels`` are the ones launched while it was the innermost)."""
+    match = re.compile(pattern).search
+    groups: dict[tuple, list[float]] = {}
+    for e in events:
+        hits = [k for k in getattr(e, "kernels", ()) if match(k.name)]
+        if hits:
+            key = (e.name, str(e.input_shapes), _origin(e))
+            g = groups.setdefault(key, [0, 0.0])
+            g[0] += len(hits)
+            g[1] += sum(k.duration for k in hits) / 1e3  # us -> ms
+    rows = [{"op": k[0], "shapes": k[1], "origin": k[2], "launches_per_step": n / n_steps,
+             "gpu_ms_per_step": round(ms / n_steps, 3)} for k, (n, ms) in groups.items()]
+    return sorted(rows, key=lambda r: -r["gpu_ms_per_step"])
+
+
 def analyse(events, n_steps: int) -> dict:
     """Per-step means (ms) from kineto events: wall, GPU busy, GPU idle by host phase, syncs."""
     from torch.autograd import DeviceType
@@ -161,6 +196,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sort", choices=("cpu", "device"), default="cpu",
                    help="the op table's order: self host time, or self GPU time (GPU-bound steps)")
     p.add_argument("--trace", default=None, help="write the Chrome trace here (.json.gz)")
+    p.add_argument("--launchers", default=None, metavar="REGEX",
+                   help="print the ops that launched kernels matching REGEX (op, input shapes, "
+                        "the code or autograd node it came from, per step; records shapes and "
+                        "stacks)")
     p.add_argument("--tiny", action="store_true", help="bench_memory's smoke shapes (CPU)")
     a = p.parse_args(argv)
     for name in ("steps", "first", "record"):
@@ -185,7 +224,8 @@ def main(argv: list[str] | None = None) -> dict:
         bm._corpus(f"{work}/docs.jsonl", max(4 * a.tokens * a.steps // 3, 1 << 20))
         argv_ = bm._argv("hf", a.tokens, shlex.split(a.flags), a.steps, work)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        prof = profile(activities=acts)
+        prof = profile(activities=acts, record_shapes=bool(a.launchers),
+                       with_stack=bool(a.launchers))
         inner, calls = pretrain.train_step, [0]
 
         def step(*args, **kwargs):
@@ -219,6 +259,9 @@ def main(argv: list[str] | None = None) -> dict:
             key = "self_device_time_total" if by_device else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.table,
                                             max_name_column_width=60), flush=True)
+        if a.launchers:
+            for row in launchers(prof.events(), a.launchers, a.record):
+                print(json.dumps(row), flush=True)
         if a.trace:
             raw = os.path.join(work, "trace.json")
             prof.export_chrome_trace(raw)
