@@ -19,8 +19,8 @@ its share of the rows one row (hidden rows) or 16 rows (head rows) at a time, on
 program per SM; measured in the 262,144-token finetune_hf step (docs/benchmarks.md, round 13)
 it ran 1.8 ms per ``[262144, 1024]`` bf16 norm and 2.6 ms per ``[262144 x 16, 128]`` q norm,
 ~4x and ~3x the time to read ``x`` and ``dy`` and write ``dx`` at the H100's bandwidth, and it
-zero-fills ``dx`` first. This backward tiles ``BLOCK_ROW x BLOCK_N`` (~4,096 elements) and runs
-several programs per SM; each keeps a float32 partial ``dw`` (``[programs, n]``, summed after).
+zero-fills ``dx`` first. This backward tiles ``BLOCK_ROW x BLOCK_N`` (~2,048 elements) and runs
+up to 8 programs per SM; each keeps a float32 partial ``dw`` (``[programs, n]``, summed after).
 
 Grids: forward ``cdiv(rows, BLOCK_ROW)`` programs, backward at most ``8 x SMs`` (rows only:
 nothing scales with a document count or length); addressing is int64 (program ids widened
@@ -29,6 +29,7 @@ before they multiply).
 
 from __future__ import annotations
 
+import numbers
 import os
 
 import torch
@@ -44,8 +45,9 @@ RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KERNEL_COLS = 16384
 """Longest row the kernel runs (one row tile in registers); longer rows take PyTorch's."""
 
-_TILE = 4096  # elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
+_TILE = 2048  # elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
 _PROGRAMS_PER_SM = 8  # backward programs per SM (each keeps one partial dw row)
+_FWD_PER_WARP, _BWD_PER_WARP = 256, 128  # tile elements per warp (_blocks)
 
 
 def _kernels():
@@ -75,7 +77,7 @@ def _kernels():
 
     @triton.jit
     def _rms_norm_bwd(DY, X, W, RSTD, DX, DW_PART, n_rows, n_cols,
-                      BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr):
+                      BLOCK_ROW: tl.constexpr, BLOCK_N: tl.constexpr, HAS_DW: tl.constexpr):
         pid = tl.program_id(0).to(tl.int64)
         step = tl.num_programs(0).to(tl.int64) * BLOCK_ROW
         cols = tl.arange(0, BLOCK_N)
@@ -95,9 +97,11 @@ def _kernels():
             c = tl.sum(m * x, axis=1) * rstd * rstd / n_cols
             dx = rstd[:, None] * (m - c[:, None] * x)
             tl.store(DX + offs, dx.to(dt), mask=mask)
-            x_hat = (x * rstd[:, None]).to(dt).to(tl.float32)
-            dw += tl.sum(dy * x_hat, axis=0)
-        tl.store(DW_PART + pid * n_cols + cols, dw, mask=col_ok)
+            if HAS_DW:
+                x_hat = (x * rstd[:, None]).to(dt).to(tl.float32)
+                dw += tl.sum(dy * x_hat, axis=0)
+        if HAS_DW:
+            tl.store(DW_PART + pid * n_cols + cols, dw, mask=col_ok)
 
     _KERNELS = (triton, _rms_norm_fwd, _rms_norm_bwd)
     return _KERNELS
@@ -106,11 +110,16 @@ def _kernels():
 _KERNELS = None
 
 
-def _blocks(n_cols: int) -> tuple[int, int, int]:
-    """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements."""
+def _blocks(n_cols: int, per_warp: int) -> tuple[int, int, int]:
+    """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements, a warp per
+    ``per_warp`` tile elements (4 to 32 warps). Compiled for sm_90 (``cuobjdump
+    --dump-resource-usage``) at row lengths 128, 1024 and 8192: the forward at 8 warps a
+    2,048-element tile takes 30-47 registers a thread, the backward at 16 warps 61-64, neither
+    spilling (a 4,096-element tile at 4 warps took 225-255 and spilled at 128; at 16,384 the
+    backward spills 136 bytes a thread)."""
     block_n = 1 << max(n_cols - 1, 0).bit_length()
     block_row = max(1, _TILE // block_n)
-    return block_row, block_n, min(16, max(4, block_row * block_n // 1024))
+    return block_row, block_n, min(32, max(4, block_row * block_n // per_warp))
 
 
 def _sm_count(device: torch.device) -> int:
@@ -136,27 +145,28 @@ def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor
     y = torch.empty_like(x, memory_format=torch.contiguous_format)
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
-        block_row, block_n, warps = _blocks(n_cols)
+        block_row, block_n, warps = _blocks(n_cols, _FWD_PER_WARP)
         _launch(fwd, triton.cdiv(n_rows, block_row), x.device, x, w, y, rstd, n_rows, n_cols,
                 eps, num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
     return y, rstd
 
 
-def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(dx, dw)``: ``dx`` like ``x``, ``dw`` like ``w``; ``dy`` contiguous, ``x``'s shape."""
+def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Tensor,
+              with_dw: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(dx, dw)``: ``dx`` like ``x``, ``dw`` like ``w`` (None unless ``with_dw``); ``dy``
+    contiguous, ``x``'s shape."""
     triton, _, bwd = _kernels()
     n_cols = x.shape[-1]
     n_rows = rstd.numel()
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if not n_rows:
-        return dx, torch.zeros_like(w)
-    block_row, block_n, warps = _blocks(n_cols)
+        return dx, (torch.zeros_like(w) if with_dw else None)
+    block_row, block_n, warps = _blocks(n_cols, _BWD_PER_WARP)
     grid = min(triton.cdiv(n_rows, block_row), _PROGRAMS_PER_SM * _sm_count(x.device))
-    dw_part = torch.empty(grid, n_cols, dtype=torch.float32, device=x.device)
+    dw_part = torch.empty(grid if with_dw else 0, n_cols, dtype=torch.float32, device=x.device)
     _launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,
-            num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
-    return dx, dw_part.sum(0).to(w.dtype)
+            num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n, HAS_DW=with_dw)
+    return dx, (dw_part.sum(0).to(w.dtype) if with_dw else None)
 
 
 def _torch_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -184,8 +194,8 @@ class _RMSNorm(torch.autograd.Function):
                 y = _torch_rms_norm(x, w, ctx.eps)
             grads = iter(torch.autograd.grad(y, wanted, dy, create_graph=True))
             return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
-        dx, dw = _backward(dy.contiguous(), x, w, rstd)
-        return dx, (dw if ctx.needs_input_grad[1] else None), None
+        dx, dw = _backward(dy.contiguous(), x, w, rstd, with_dw=ctx.needs_input_grad[1])
+        return dx, dw, None
 
 
 def _unkernelable(*tensors: torch.Tensor) -> bool:
@@ -215,20 +225,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     so it is differentiable again).
 
     Raises: TypeError naming ``x`` / ``weight`` when one is not a floating tensor; ValueError
-    naming ``weight`` when its shape, dtype or device does not match ``x``, naming ``eps``
-    unless it is > 0, naming ``backend`` for an unknown backend, or for ``"triton"`` with CPU
+    naming ``x`` when it is 0-d, ``weight`` when its shape, dtype or device does not match
+    ``x``, ``eps`` unless it is a real number > 0 (not a bool), ``backend`` for an unknown backend, or for ``"triton"`` with CPU
     tensors outside ``TRITON_INTERPRET=1``.
     """
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got "
                             f"{getattr(t, 'dtype', type(t).__name__)}")
-    if x.dim() == 0 or weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
+    if x.dim() == 0:
+        raise ValueError("x: must have at least one dimension (the normalised one), got a 0-d "
+                         "tensor")
+    if weight.shape != x.shape[-1:] or weight.dtype != x.dtype \
             or weight.device != x.device:
-        raise ValueError(f"weight: must be [{x.shape[-1] if x.dim() else '?'}] of x's dtype and "
+        raise ValueError(f"weight: must be [{x.shape[-1]}] of x's dtype and "
                          f"device ({x.dtype} {x.device}), got {tuple(weight.shape)} "
                          f"{weight.dtype} {weight.device}")
-    if not isinstance(eps, (int, float)) or not eps > 0:
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
         raise ValueError(f"eps must be a number > 0, got {eps!r}")
     if (resolve_backend(backend, x.device) == "torch" or x.dtype not in RMS_NORM_DTYPES
             or x.shape[-1] > MAX_KERNEL_COLS or torch.compiler.is_compiling()

@@ -102,27 +102,33 @@ def _innermost(phases: list[tuple[int, int, str]], a: int, b: int) -> dict[str, 
     return out
 
 
-def _origin(event) -> str:
-    """Where a profiled op came from: the innermost stack frame outside torch's own files (the
-    stack is innermost first), else, in backward, the autograd node that ran it."""
-    for frame in getattr(event, "stack", None) or ():
-        if "/torch/" not in frame and "<built-in" not in frame:
-            return frame.rsplit("/", 1)[-1]
-    node = event
-    while node is not None:
-        if node.name.startswith("autograd::engine::evaluate_function: "):
-            return node.name.split(": ", 1)[1]
+def _origin(event, depth: int = 3) -> str:
+    """Where a profiled op came from: its nearest ``depth`` enclosing ops that are not ATen's
+    (``record_function`` marks, custom ops, autograd Functions; in backward, the autograd node
+    that ran it), innermost first. Stacks are not recorded: torch's Python tracer drops them
+    under Kineto, and can fail to parse when code objects are freed in the window."""
+    names, node = [], event.cpu_parent
+    while node is not None and len(names) < depth:
+        if not node.name.startswith("aten::"):
+            names.append(node.name.removeprefix("autograd::engine::evaluate_function: "))
         node = node.cpu_parent
-    return "?"
+    return " < ".join(names) or "?"
 
 
-def launchers(events, pattern: str, n_steps: int) -> list[dict]:
-    """The ops that launched the kernels whose name matches ``pattern`` (a regex), grouped by op
-    name, input shapes and :func:`_origin`: per group the kernel launches and GPU ms per step,
-    most GPU time first. ``events``: torch.profiler's ``FunctionEvent`` list (``prof.events()``,
-    recorded with shapes and stacks); each kernel is counted once, at the op that launched it
-    (the innermost: an op's ``kernels`` are the ones launched while it was the innermost)."""
-    match = re.compile(pattern).search
+def _regex(text: str) -> re.Pattern:
+    try:
+        return re.compile(text)
+    except re.error as exc:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {exc}") from None
+
+
+def launchers(events, pattern: re.Pattern, n_steps: int) -> list[dict]:
+    """The ops that launched the kernels whose name matches ``pattern``, grouped by op name,
+    input shapes and :func:`_origin`: per group the kernel launches and GPU ms per step, most
+    GPU time first. ``events``: torch.profiler's ``FunctionEvent`` list (``prof.events()``,
+    recorded with shapes); each kernel is counted once, at the op that launched it (the
+    innermost: an op's ``kernels`` are the ones launched while it was the innermost)."""
+    match = pattern.search
     groups: dict[tuple, list[float]] = {}
     for e in events:
         hits = [k for k in getattr(e, "kernels", ()) if match(k.name)]
@@ -196,10 +202,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sort", choices=("cpu", "device"), default="cpu",
                    help="the op table's order: self host time, or self GPU time (GPU-bound steps)")
     p.add_argument("--trace", default=None, help="write the Chrome trace here (.json.gz)")
-    p.add_argument("--launchers", default=None, metavar="REGEX",
+    p.add_argument("--launchers", default=None, metavar="REGEX", type=_regex,
                    help="print the ops that launched kernels matching REGEX (op, input shapes, "
-                        "the code or autograd node it came from, per step; records shapes and "
-                        "stacks)")
+                        "the enclosing marks or autograd node, per step; records shapes)")
     p.add_argument("--tiny", action="store_true", help="bench_memory's smoke shapes (CPU)")
     a = p.parse_args(argv)
     for name in ("steps", "first", "record"):
@@ -224,8 +229,7 @@ def main(argv: list[str] | None = None) -> dict:
         bm._corpus(f"{work}/docs.jsonl", max(4 * a.tokens * a.steps // 3, 1 << 20))
         argv_ = bm._argv("hf", a.tokens, shlex.split(a.flags), a.steps, work)
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-        prof = profile(activities=acts, record_shapes=bool(a.launchers),
-                       with_stack=bool(a.launchers))
+        prof = profile(activities=acts, record_shapes=a.launchers is not None)
         inner, calls = pretrain.train_step, [0]
 
         def step(*args, **kwargs):
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> dict:
             key = "self_device_time_total" if by_device else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.table,
                                             max_name_column_width=60), flush=True)
-        if a.launchers:
+        if a.launchers is not None:
             for row in launchers(prof.events(), a.launchers, a.record):
                 print(json.dumps(row), flush=True)
         if a.trace:

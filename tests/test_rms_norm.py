@@ -32,7 +32,7 @@ def _grads(x, w, dy, eps):
 @pytest.mark.parametrize("shape", [(37, 96), (5, 3, 128), (2500, 64), (3, 1000), (4, 1), (0, 8)])
 def test_kernel_matches_float64(dtype, shape):
     """Rows not a whole tile, row lengths not a power of two, a 3-D [T, H, D] input, and
-    (2500, 64): more row tiles than the interpreter's backward programs (32 x 64 rows), so each
+    (2500, 64): more row tiles than the interpreter's backward programs (32 x 32 rows), so each
     program's row loop and its partial weight gradient run more than once."""
     eps = float(torch.empty(()).uniform_(1e-6, 1e-3))
     x = (torch.randn(shape) * 3).to(dtype).requires_grad_()
@@ -105,11 +105,15 @@ def test_bad_input_names_the_argument(monkeypatch):
         rms_norm(x, torch.ones(9))
     with pytest.raises(ValueError, match="weight: must be"):
         rms_norm(x, w.double())
-    with pytest.raises(ValueError, match="weight: must be"):
+    with pytest.raises(ValueError, match="x: must have at least one dimension"):
         rms_norm(torch.tensor(1.0), w)
-    for eps in (0.0, -1e-6, float("nan"), "1e-6"):
+    for eps in (0.0, -1e-6, float("nan"), "1e-6", True):
         with pytest.raises(ValueError, match="eps must be"):
             rms_norm(x, w, eps)
+    import numpy as np
+
+    assert torch.equal(rms_norm(x, w, np.float32(1e-5), backend="triton"),
+                       rms_norm(x, w, float(np.float32(1e-5)), backend="triton"))
     with pytest.raises(ValueError, match="backend"):
         rms_norm(x, w, backend="cuda")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
@@ -160,7 +164,7 @@ def test_backward_grid_depends_on_rows_and_sms_only(monkeypatch):
         x = torch.randn(rows, 64, requires_grad=True)
         w = torch.ones(64, requires_grad=True)
         torch.autograd.grad(rms_norm(x, w, backend="triton").sum(), (x, w))
-    block_row = R._blocks(64)[0]
+    block_row = R._blocks(64, R._BWD_PER_WARP)[0]
     assert grids == [(1,), (min(-(-5000 // block_row), R._PROGRAMS_PER_SM * 4),)]
 
 
