@@ -14,13 +14,17 @@ Backward (the same source, differentiated; ``m = dy * w``, ``n`` the row length)
 
 in float32 and rounded once. Autograd keeps ``x`` and the float32 ``rstd`` per row.
 
-Why not Liger-Kernel's: its backward launches one program per SM (132 on an H100) that walks
-its share of the rows one row (hidden rows) or 16 rows (head rows) at a time, one 4-warp
-program per SM; measured in the 262,144-token finetune_hf step (docs/benchmarks.md, round 13)
-it ran 1.8 ms per ``[262144, 1024]`` bf16 norm and 2.6 ms per ``[262144 x 16, 128]`` q norm,
-~4x and ~3x the time to read ``x`` and ``dy`` and write ``dx`` at the H100's bandwidth, and it
-zero-fills ``dx`` first. This backward tiles ``BLOCK_ROW x BLOCK_N`` (~2,048 elements) and runs
-up to 8 programs per SM; each keeps a float32 partial ``dw`` (``[programs, n]``, summed after).
+``patch_model``'s fused norms run it with ``CP_ROPE_NORM_KERNEL=triton``
+(:func:`cp_rope.hf.norms.norm_kernel`); Liger-Kernel's stays their default on CUDA until this
+kernel has been timed on a GPU (it was written and checked on CPU: the Triton interpreter
+against float64, and compiled for sm_90). Why replace Liger-Kernel's: its backward launches one
+4-warp program per SM (132 on an H100) that walks its share of the rows one row (hidden rows)
+or 16 rows (head rows) at a time. Measured in the 262,144-token finetune_hf step
+(docs/benchmarks.md, round 13), it ran 1.8 ms per ``[262144, 1024]`` bf16 norm and 2.6 ms per
+``[262144 x 16, 128]`` q norm, ~4x and ~3x the time to read ``x`` and ``dy`` and write ``dx``
+at the H100's bandwidth, and it zero-fills ``dx`` first. This backward tiles
+``BLOCK_ROW x BLOCK_N`` (~2,048 elements) and runs up to 8 programs per SM; each keeps a
+float32 partial ``dw`` (``[programs, n]``, summed after).
 
 Grids: forward ``cdiv(rows, BLOCK_ROW)`` programs, backward at most ``8 x SMs`` (rows only:
 nothing scales with a document count or length); addressing is int64 (program ids widened

@@ -113,7 +113,7 @@ class HFConfig:
     loss_chunk_size: int = 0
     """Tokens per chunk of the fused loss (each chunk holds [chunk, vocab_size] float32 logits); 0 = automatic (2**27 / vocab_size, a multiple of 256 in [256, 65536]: 768 for Qwen's 151,936)."""
     fused_norm: bool = True
-    """RMSNorms by a fused kernel in bf16 (cp_rope.hf.norms: cp_rope's Triton RMSNorm on CUDA, else PyTorch's rms_norm; no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
+    """RMSNorms by a fused kernel in bf16 (cp_rope.hf.norms: Liger-Kernel's RMSNorm on CUDA where liger-kernel is installed, cp_rope's Triton RMSNorm with CP_ROPE_NORM_KERNEL=triton, else PyTorch's rms_norm; no float32 copies kept for backward); --no-fused-norm keeps transformers' own."""
     fused_swiglu: bool = True
     """SwiGLU MLPs (Llama, Mistral, Qwen2/3: down_proj(silu(gate_proj x) * up_proj x)) with the product by cp_rope's fused Triton kernel on CUDA (cp_rope.swiglu: gate and up kept instead of three tensors, tiled or not); --no-fused-swiglu keeps transformers' own."""
     mlp_tile_tokens: int = 0
@@ -322,7 +322,8 @@ def main(argv: list[str] | None = None) -> dict:
                     files={"hf.model": model_files(fc.hf.model)})
         dtype = compute_dtype(cfg, tr.device.type)
         fused_norm = fc.hf.fused_norm and dtype in LOW_PRECISION
-        kernel = {"triton": "cp_rope's Triton RMSNorm", "torch": "torch rms_norm"}[
+        kernel = {"liger": "Liger-Kernel's RMSNorm", "triton": "cp_rope's Triton RMSNorm",
+                  "torch": "torch rms_norm"}[
             norm_kernel(tr.device.type)]
         tr.log.write(f"RMSNorm: {f'fused ({kernel})' if fused_norm else 'transformers'}")
         tr.log.write(f"SwiGLU MLPs (silu(gate) * up): {_swiglu_summary(fc, tr)}")

@@ -22,7 +22,8 @@
 #          the ops (shapes, code) that launched the kernels matching it
 #   ab     bench_memory's 262,144-token target config again, once per flag set of $AB_FLAGS
 #          (';'-separated, e.g. " ;--mlp-tile-tokens 32768;--no-fused-norm": ' ' is the config
-#          as it is), bench_memory --flags each
+#          as it is), bench_memory --flags each; environment settings such as
+#          CP_ROPE_NORM_KERNEL=triton (cp_rope's RMSNorm, cp_rope/hf/norms.py) apply to every set
 #   rmsnorm  scripts/bench_rms_norm.py: cp_rope's RMSNorm kernels vs Liger's and PyTorch's at the
 #          262,144-token finetune_hf rows
 #   trl    bash scripts/bench_hf_trl.sh (issue 34: SFTTrainer + prepare next to finetune_hf)

@@ -198,20 +198,60 @@ def test_a_refused_repatch_leaves_the_previous_patch_in_place():
     assert model.model.norm.__dict__["forward"] is forwards["model.norm"]
 
 
-def test_triton_rms_norm_on_cuda_torch_elsewhere(monkeypatch):
-    """The fused forward runs cp_rope's Triton RMSNorm where the kernel backend is Triton (CUDA;
-    here the interpreter stands in for it), PyTorch's rms_norm on CPU and with
-    CP_ROPE_BACKEND=torch; both match float64 (float16 here: the interpreter stores bf16 by
-    truncation; bf16 runs on the GPU in test_rms_norm.py)."""
+def test_liger_rms_norm_on_cuda_only_when_installed(monkeypatch):
+    """On CUDA tensors the fused forward runs Liger-Kernel's RMSNorm where it imports (its
+    "llama" casting, dY not overwritten), PyTorch's rms_norm elsewhere and without it."""
     norms = importlib.import_module("cp_rope.hf.norms")
-    monkeypatch.delenv("CP_ROPE_BACKEND", raising=False)
-    assert norms.norm_kernel("cpu") == "torch" and norms.norm_kernel("cuda") == "triton"
-    monkeypatch.setenv("CP_ROPE_BACKEND", "torch")
+    calls = []
+
+    class FakeLiger:
+        @staticmethod
+        def apply(x, w, eps, offset, casting, in_place):
+            calls.append((offset, casting, in_place))
+            return torch.zeros_like(x)
+
+    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
+    assert norms.liger_rms_norm("cpu") is None and norms.norm_kernel("cpu") == "torch"
+    assert norms.liger_rms_norm("cuda") is FakeLiger and norms.norm_kernel("cuda") == "liger"
+    monkeypatch.setattr(norms, "_LIGER_NORM", [None])  # missing or broken
     assert norms.norm_kernel("cuda") == "torch"
-    monkeypatch.setenv("CP_ROPE_BACKEND", "cuda")
-    with pytest.raises(ValueError, match="CP_ROPE_BACKEND"):
+    # the forward asks by the input's device: a CPU tensor never reaches Liger
+    monkeypatch.setattr(norms, "_LIGER_NORM", [FakeLiger])
+    module, cls = _norm_class("qwen3")
+    norm = cls(16).to(torch.bfloat16)
+    fuse_rms_norms(norm, module)
+    x = torch.randn(3, 16).to(torch.bfloat16)
+    assert not torch.equal(norm(x), torch.zeros_like(x)) and calls == []
+    monkeypatch.setattr(norms, "liger_rms_norm", lambda device_type: FakeLiger)
+    monkeypatch.setattr(norms, "norm_kernel", lambda device_type: "liger")
+    assert torch.equal(norm(x), torch.zeros_like(x))
+    assert calls == [(0.0, "llama", False)]
+
+
+def test_triton_rms_norm_by_cp_rope_norm_kernel(monkeypatch):
+    """CP_ROPE_NORM_KERNEL=triton runs cp_rope's Triton RMSNorm on CUDA (here the interpreter
+    stands in for it), torch off CUDA; auto is Liger where it imports, else torch; a bad value
+    or liger without liger-kernel is refused naming the variable. Both kernels match float64
+    (float16 here: the interpreter stores bf16 by truncation; bf16 runs on the GPU in
+    test_rms_norm.py)."""
+    norms = importlib.import_module("cp_rope.hf.norms")
+    monkeypatch.delenv("CP_ROPE_NORM_KERNEL", raising=False)
+    monkeypatch.setattr(norms, "_LIGER_NORM", [None])
+    assert norms.norm_kernel("cpu") == "torch" and norms.norm_kernel("cuda") == "torch"
+    monkeypatch.setattr(norms, "_LIGER_NORM", [object()])
+    assert norms.norm_kernel("cuda") == "liger"
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "triton")
+    assert norms.norm_kernel("cuda") == "triton" and norms.norm_kernel("cpu") == "torch"
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "torch")
+    assert norms.norm_kernel("cuda") == "torch"
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "cuda")
+    with pytest.raises(ValueError, match="CP_ROPE_NORM_KERNEL"):
+        norms.norm_kernel("cpu")
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "liger")
+    monkeypatch.setattr(norms, "_LIGER_NORM", [None])
+    with pytest.raises(ValueError, match="CP_ROPE_NORM_KERNEL=liger: liger-kernel"):
         norms.norm_kernel("cuda")
-    monkeypatch.delenv("CP_ROPE_BACKEND")
+    monkeypatch.delenv("CP_ROPE_NORM_KERNEL")
     module, cls = _norm_class("qwen3")
     norm = cls(40, eps=1e-6).to(torch.float16)
     with torch.no_grad():
