@@ -269,3 +269,16 @@ def test_triton_rms_norm_by_cp_rope_norm_kernel(monkeypatch):
     want = _reference(x, norm.weight.detach(), 1e-6)
     for got, name in ((torch_out, "torch"), (triton_out, "triton")):
         assert_close(got, want, dtype=torch.float16, name=name)
+
+
+def test_compiled_fused_norm_traces_torch_rms_norm(monkeypatch):
+    """Under torch.compile the fused forward is PyTorch's rms_norm, whatever
+    CP_ROPE_NORM_KERNEL says (no environment read or kernel choice inside the graph): one
+    graph, the same values as eager's torch path."""
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "triton")
+    module, cls = _norm_class("qwen3")
+    norm = cls(24, eps=1e-6).to(torch.float16)
+    fuse_rms_norms(norm, module)
+    x = torch.randn(5, 24).to(torch.float16)
+    got = torch.compile(norm, backend="eager", fullgraph=True)(x)
+    assert torch.equal(got, torch.nn.functional.rms_norm(x, (24,), norm.weight, 1e-6))

@@ -104,10 +104,10 @@ def _fused_forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor
     w = self.weight
     if hidden_states.dtype not in LOW_PRECISION or w.dtype != hidden_states.dtype:
         return type(self).forward(self, hidden_states)
-    kernel = norm_kernel(hidden_states.device.type)
+    kernel = "torch" if torch.compiler.is_compiling() else norm_kernel(hidden_states.device.type)
     if kernel == "triton":
         return rms_norm(hidden_states, w, self.variance_epsilon, backend="triton")
-    if kernel == "liger" and not torch.compiler.is_compiling():
+    if kernel == "liger":
         # "llama" casting; in_place=False: dY (the residual stream's gradient too) is not
         # overwritten with dX
         return liger_rms_norm("cuda").apply(hidden_states, w, self.variance_epsilon, 0.0,
