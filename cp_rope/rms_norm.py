@@ -33,6 +33,7 @@ before they multiply).
 
 from __future__ import annotations
 
+import math
 import numbers
 import os
 
@@ -218,7 +219,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         x: ``[..., n]`` floating; float32 / float16 / bfloat16 for the kernel (float64 and
             other floating dtypes take the PyTorch expression).
         weight: ``[n]``, the same dtype and device as ``x``.
-        eps: added to the mean square (> 0, dimensionless).
+        eps: added to the mean square (finite, > 0, dimensionless).
         backend: ``"auto"`` (the Triton kernel on CUDA tensors, PyTorch on CPU; or
             ``$CP_ROPE_BACKEND``), ``"triton"`` or ``"torch"``. Rows longer than
             :data:`MAX_KERNEL_COLS`, ``torch.compile``, ``torch.func`` transforms and
@@ -230,8 +231,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
 
     Raises: TypeError naming ``x`` / ``weight`` when one is not a floating tensor; ValueError
     naming ``x`` when it is 0-d, ``weight`` when its shape, dtype or device does not match
-    ``x``, ``eps`` unless it is a real number > 0 (not a bool), ``backend`` for an unknown backend, or for ``"triton"`` with CPU
-    tensors outside ``TRITON_INTERPRET=1``.
+    ``x``, ``eps`` unless it is a finite real number > 0 (not a bool), ``backend`` for an
+    unknown backend, or for ``"triton"`` with CPU tensors outside ``TRITON_INTERPRET=1``.
     """
     for name, t in (("x", x), ("weight", weight)):
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -245,8 +246,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
         raise ValueError(f"weight: must be [{x.shape[-1]}] of x's dtype and "
                          f"device ({x.dtype} {x.device}), got {tuple(weight.shape)} "
                          f"{weight.dtype} {weight.device}")
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not eps > 0:
-        raise ValueError(f"eps must be a number > 0, got {eps!r}")
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if (resolve_backend(backend, x.device) == "torch" or x.dtype not in RMS_NORM_DTYPES
             or x.shape[-1] > MAX_KERNEL_COLS or torch.compiler.is_compiling()
             or _unkernelable(x, weight)):

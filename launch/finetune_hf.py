@@ -203,6 +203,7 @@ def resolve(fc: FinetuneConfig) -> PretrainConfig:
         raise ConfigError(f"parallel.rope_backend={fc.parallel.rope_backend!r}: finetune_hf uses "
                           "auto (set CP_ROPE_BACKEND=torch|triton to force one)")
     _check_loss_impl(fc)
+    _check_norm_kernel(fc)
     try:  # what patch_model would refuse of the config, before the data and the model load
         check_config(hf_config)
         moe = moe_spec(hf_config)
@@ -228,6 +229,18 @@ def _check_loss_impl(fc: FinetuneConfig) -> None:
     :func:`~cp_rope.launch.config.check_loss_impl` (ConfigError naming the field)."""
     check_loss_impl(fc.parallel.loss_impl, fused=fc.hf.fused_loss,
                     chunk_size=fc.hf.loss_chunk_size, device=fc.train.device)
+
+
+def _check_norm_kernel(fc: FinetuneConfig) -> None:
+    """``$CP_ROPE_NORM_KERNEL`` (:func:`cp_rope.hf.norms.norm_kernel`) against this machine,
+    before any data or model is loaded: ConfigError naming it for an unknown value, or for
+    ``liger`` on CUDA without liger-kernel."""
+    on_cpu = fc.train.device == "cpu" or (fc.train.device == "auto"
+                                          and not torch.cuda.is_available())
+    try:
+        norm_kernel("cpu" if on_cpu else "cuda")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
 
 
 def build_model(fc: FinetuneConfig, device: torch.device) -> HFCausalLM:

@@ -193,7 +193,8 @@ def analyse(events, n_steps: int) -> dict:
 
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tokens", type=int, default=32768, help="tokens per step (default 32,768)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="tokens per step (default 32,768; 2,048 with --tiny)")
     p.add_argument("--flags", default="", help="more finetune_hf flags, one string")
     p.add_argument("--steps", type=int, default=12, help="steps to run (default 12)")
     p.add_argument("--first", type=int, default=9, help="first recorded step (default 9)")
@@ -213,6 +214,8 @@ def main(argv: list[str] | None = None) -> dict:
     if a.first + a.record > a.steps:
         p.error(f"--first {a.first} + --record {a.record} must be <= --steps {a.steps} "
                 "(the window closes at the next step's train_step)")
+    if a.tokens is None:
+        a.tokens = 2048 if a.tiny else 32768
     if a.tiny:
         os.environ["BENCH_MEMORY_SMOKE"] = "1"
     bm = _bench_memory()
@@ -263,7 +266,10 @@ def main(argv: list[str] | None = None) -> dict:
             key = "self_device_time_total" if by_device else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=key, row_limit=a.table,
                                             max_name_column_width=60), flush=True)
-        if a.launchers is not None:
+        if a.launchers is not None and not torch.cuda.is_available():
+            print("profile_trainer: --launchers on a machine without a GPU: no kernels to "
+                  "attribute", flush=True)
+        elif a.launchers is not None:
             for row in launchers(prof.events(), a.launchers, a.record):
                 print(json.dumps(row), flush=True)
         if a.trace:

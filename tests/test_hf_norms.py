@@ -175,6 +175,20 @@ def test_finetune_refuses_loss_impl_combinations_up_front(tmp_path, flags, match
     _check_loss_impl(parse_args(["--model", str(tmp_path)]))  # the defaults pass
 
 
+def test_finetune_refuses_a_bad_norm_kernel_up_front(tmp_path, monkeypatch):
+    """CP_ROPE_NORM_KERNEL is checked with the config (finetune_hf.resolve), before any data,
+    model or output folder: a ConfigError naming it, not a traceback per rank after loading."""
+    from cp_rope.launch.config import ConfigError
+    from cp_rope.launch.finetune_hf import _check_norm_kernel, parse_args
+
+    fc = parse_args(["--model", str(tmp_path), "--device", "cpu"])
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "bogus")
+    with pytest.raises(ConfigError, match="CP_ROPE_NORM_KERNEL must be one of"):
+        _check_norm_kernel(fc)
+    monkeypatch.setenv("CP_ROPE_NORM_KERNEL", "triton")
+    _check_norm_kernel(fc)
+
+
 def test_a_refused_repatch_leaves_the_previous_patch_in_place():
     """patch_model checks everything before it removes the model's current patch."""
     model = H.patch_model(_tiny_qwen3(), method="ring", mlp_tile_tokens=4)

@@ -50,15 +50,18 @@ def test_idle_time_goes_to_the_innermost_host_phase():
         _script().analyse(ev[:-1], 2)
 
 
-def test_tiny_run_reports_every_phase(tmp_path, monkeypatch):
-    """--tiny (bench_memory's smoke shapes, CPU): one JSON result whose host phases include the
-    loop's own marks, and the option checks."""
+def test_tiny_run_reports_every_phase(tmp_path, monkeypatch, capsys):
+    """--tiny (bench_memory's smoke shapes, CPU; 2,048 tokens a step unless --tokens): one JSON
+    result whose host phases include the loop's own marks, --launchers saying that a CPU has no
+    kernels, and the option checks."""
     pytest.importorskip("transformers")
     monkeypatch.setenv("TMPDIR", str(tmp_path))
     monkeypatch.chdir(tmp_path)
     mod = _script()
-    out = mod.main(["--tiny", "--tokens", "2048", "--steps", "3", "--first", "2", "--record", "1"])
+    out = mod.main(["--tiny", "--steps", "3", "--first", "2", "--record", "1", "--launchers", "mm"])
+    assert out["tokens"] == 2048
     assert out["device"] == "cpu" and out["wall_ms"] > 0 and out["gpu_busy_ms"] == 0
+    assert "--launchers on a machine without a GPU" in capsys.readouterr().out
     phases = set(out["gpu_idle_ms_by_host_phase"])
     assert {"backward", "forward (train_step outside backward)", "plan", "next_batch",
             "clip_gradients", "log_step", "Optimizer.step"} <= phases, phases

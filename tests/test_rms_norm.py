@@ -107,7 +107,7 @@ def test_bad_input_names_the_argument(monkeypatch):
         rms_norm(x, w.double())
     with pytest.raises(ValueError, match="x: must have at least one dimension"):
         rms_norm(torch.tensor(1.0), w)
-    for eps in (0.0, -1e-6, float("nan"), "1e-6", True):
+    for eps in (0.0, -1e-6, float("nan"), float("inf"), "1e-6", True):
         with pytest.raises(ValueError, match="eps must be"):
             rms_norm(x, w, eps)
     import numpy as np
