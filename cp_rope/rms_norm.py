@@ -35,11 +35,10 @@ from __future__ import annotations
 
 import math
 import numbers
-import os
 
 import torch
-from torch.autograd import forward_ad
 
+from cp_rope._triton_call import check_triton_device, eager_only, launch
 from cp_rope.ops import resolve_backend
 
 __all__ = ["rms_norm", "RMS_NORM_DTYPES", "MAX_KERNEL_COLS"]
@@ -133,15 +132,6 @@ def _sm_count(device: torch.device) -> int:
     return 4  # the interpreter (CPU): a few programs, so the row loop runs more than once
 
 
-def _launch(kernel, grid: int, device: torch.device, *args, num_warps: int, **meta) -> None:
-    """Launch on ``device`` (Triton launches on the current CUDA device otherwise)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            kernel[(grid,)](*args, num_warps=num_warps, **meta)
-    else:
-        kernel[(grid,)](*args, num_warps=num_warps, **meta)
-
-
 def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, rstd)``: ``y`` like ``x`` (contiguous), ``rstd`` float32 ``[rows]``."""
     triton, fwd, _ = _kernels()
@@ -151,7 +141,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor
     rstd = torch.empty(n_rows, dtype=torch.float32, device=x.device)
     if n_rows:
         block_row, block_n, warps = _blocks(n_cols, _FWD_PER_WARP)
-        _launch(fwd, triton.cdiv(n_rows, block_row), x.device, x, w, y, rstd, n_rows, n_cols,
+        launch(fwd, triton.cdiv(n_rows, block_row), x.device, x, w, y, rstd, n_rows, n_cols,
                 eps, num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
     return y, rstd
 
@@ -169,7 +159,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     block_row, block_n, warps = _blocks(n_cols, _BWD_PER_WARP)
     grid = min(triton.cdiv(n_rows, block_row), _PROGRAMS_PER_SM * _sm_count(x.device))
     dw_part = torch.empty(grid if with_dw else 0, n_cols, dtype=torch.float32, device=x.device)
-    _launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,
+    launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,
             num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n, HAS_DW=with_dw)
     return dx, (dw_part.sum(0).to(w.dtype) if with_dw else None)
 
@@ -201,13 +191,6 @@ class _RMSNorm(torch.autograd.Function):
             return (*(next(grads) if need else None for need in ctx.needs_input_grad[:2]), None)
         dx, dw = _backward(dy.contiguous(), x, w, rstd, with_dw=ctx.needs_input_grad[1])
         return dx, dw, None
-
-
-def _unkernelable(*tensors: torch.Tensor) -> bool:
-    """Whether a ``torch.func`` transform wraps one of ``tensors`` or one carries a forward-mode
-    tangent: the kernel reads raw storage and has no jvp, so those run the PyTorch expression."""
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t)
-               or forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
@@ -249,12 +232,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6,
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real) or not 0 < eps < math.inf:
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     if (resolve_backend(backend, x.device) == "torch" or x.dtype not in RMS_NORM_DTYPES
-            or x.shape[-1] > MAX_KERNEL_COLS or torch.compiler.is_compiling()
-            or _unkernelable(x, weight)):
+            or x.shape[-1] > MAX_KERNEL_COLS or eager_only(x, weight)):
         return _torch_rms_norm(x, weight, float(eps))
-    if not x.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', "
-                         "or TRITON_INTERPRET=1 (set before cp_rope is imported)")
+    check_triton_device(x)
     x, weight = x.contiguous(), weight.contiguous()
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
         return _RMSNorm.apply(x, weight, float(eps))

@@ -28,12 +28,10 @@ addressing is int64 (program ids widened before they multiply the block size).
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
-from torch.autograd import forward_ad
 
+from cp_rope._triton_call import check_triton_device, eager_only, launch
 from cp_rope.ops import resolve_backend
 
 __all__ = ["swiglu", "SWIGLU_DTYPES"]
@@ -82,34 +80,13 @@ def _kernels():
 _KERNELS = None
 
 
-def _launch(kernel, grid: int, device: torch.device, *args) -> None:
-    """Launch on ``device`` (Triton launches on the current CUDA device otherwise)."""
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):
-            kernel[(grid,)](*args, BLOCK=_BLOCK)
-    else:
-        kernel[(grid,)](*args, BLOCK=_BLOCK)
-
-
 def _forward(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     triton, fwd, _ = _kernels()
     out = torch.empty_like(up, memory_format=torch.contiguous_format)
     n = out.numel()
     if n:
-        _launch(fwd, triton.cdiv(n, _BLOCK), gate.device, gate, up, out, n)
+        launch(fwd, triton.cdiv(n, _BLOCK), gate.device, gate, up, out, n, BLOCK=_BLOCK)
     return out
-
-
-def _functorch_wrapped(*tensors: torch.Tensor) -> bool:
-    """Whether a ``torch.func`` transform (vmap's batched or grad's tracking tensors) wraps one
-    of ``tensors``: the kernel reads raw storage, so those run the PyTorch expression."""
-    return any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
-
-
-def _dual(*tensors: torch.Tensor) -> bool:
-    """Whether one of ``tensors`` carries a forward-mode tangent (``torch.autograd.forward_ad``):
-    the kernel has no jvp, so those run the PyTorch expression (which propagates it)."""
-    return any(forward_ad.unpack_dual(t).tangent is not None for t in tensors)
 
 
 class _SwiGLU(torch.autograd.Function):
@@ -133,7 +110,8 @@ class _SwiGLU(torch.autograd.Function):
         d_gate, d_up = torch.empty_like(gate), torch.empty_like(up)
         n = gate.numel()
         if n:
-            _launch(bwd, triton.cdiv(n, _BLOCK), gate.device, d_out, gate, up, d_gate, d_up, n)
+            launch(bwd, triton.cdiv(n, _BLOCK), gate.device, d_out, gate, up, d_gate, d_up, n,
+                   BLOCK=_BLOCK)
         return d_gate, d_up
 
 
@@ -168,12 +146,9 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, backend: str = "auto") -> torch
                          f"{up.dtype} {up.device} against {tuple(gate.shape)} {gate.dtype} "
                          f"{gate.device}")
     if (resolve_backend(backend, gate.device) == "torch" or gate.dtype not in SWIGLU_DTYPES
-            or torch.compiler.is_compiling() or _functorch_wrapped(gate, up)
-            or _dual(gate, up)):
+            or eager_only(gate, up)):
         return F.silu(gate) * up
-    if not gate.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
-        raise ValueError("backend='triton' got CPU tensors: use CUDA tensors, backend='torch', "
-                         "or TRITON_INTERPRET=1 (set before cp_rope is imported)")
+    check_triton_device(gate)
     gate, up = gate.contiguous(), up.contiguous()
     if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
         return _SwiGLU.apply(gate, up)

@@ -28,7 +28,7 @@ from cp_rope.parallel.choices import AUTO, BACKEND_CHOICES, METHODS, PLACEMENTS,
 __all__ = [
     "ConfigError", "ModelConfig", "DataConfig", "ParallelConfig", "OptimConfig", "TrainConfig",
     "PretrainConfig", "SECTIONS", "PRESETS", "preset", "validate", "check_available", "to_dict",
-    "check_loss_impl", "check_seq_len", "head_dim_of", "MEMORY_KNOBS",
+    "check_loss_impl", "check_seq_len", "head_dim_of", "MEMORY_KNOBS", "runs_on_cpu",
 ]
 
 
@@ -452,6 +452,12 @@ def validate(cfg: PretrainConfig, world_size: int | None = None) -> None:
              f"{t.device}{', no GPU found' if t.device == 'auto' else ''}): use float32 or auto")
 
 
+def runs_on_cpu(device: str) -> bool:
+    """Whether ``--device device`` runs on the CPU: ``cpu``, or ``auto`` without CUDA."""
+    import torch
+    return device == "cpu" or (device == "auto" and not torch.cuda.is_available())
+
+
 def check_loss_impl(impl: str, *, fused: bool, chunk_size: int, device: str,
                     where: str = "parallel.loss_impl") -> None:
     """``--loss-impl`` against the other loss flags and this machine, before anything runs (both
@@ -468,15 +474,10 @@ def check_loss_impl(impl: str, *, fused: bool, chunk_size: int, device: str,
     _require(not chunk_size, f"{where}='liger' with --loss-chunk-size", chunk_size,
              "Liger picks its own chunks; the chunk size is the torch loop's (--loss-impl torch "
              "or auto)")
-    import torch
-
     from cp_rope.parallel.loss import liger_missing
-
-    on_cpu = device == "cpu" or (device == "auto" and not torch.cuda.is_available())
-    _require(not on_cpu, where, impl, "Liger-Kernel's kernels run on CUDA and this run is on "
-             "cpu: use --loss-impl auto (or torch)")
-    _require(liger_missing() is None, where, impl, f"{liger_missing()} (or use --loss-impl "
-             "auto / torch)")
+    _require(not runs_on_cpu(device), where, impl, "Liger-Kernel's kernels run on CUDA and this "
+             "run is on cpu: use --loss-impl auto (or torch)")
+    _require(liger_missing() is None, where, impl, f"{liger_missing()} (or --loss-impl auto/torch)")
 
 
 NOT_AVAILABLE_YET: dict[str, tuple[str, ...]] = {}

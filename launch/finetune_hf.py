@@ -79,6 +79,7 @@ from .config import (
     PretrainConfig,
     TrainConfig,
     check_loss_impl,
+    runs_on_cpu,
     validate,
 )
 from .data import load_tokenizer
@@ -235,10 +236,8 @@ def _check_norm_kernel(fc: FinetuneConfig) -> None:
     """``$CP_ROPE_NORM_KERNEL`` (:func:`cp_rope.hf.norms.norm_kernel`) against this machine,
     before any data or model is loaded: ConfigError naming it for an unknown value, or for
     ``liger`` on CUDA without liger-kernel."""
-    on_cpu = fc.train.device == "cpu" or (fc.train.device == "auto"
-                                          and not torch.cuda.is_available())
     try:
-        norm_kernel("cpu" if on_cpu else "cuda")
+        norm_kernel("cpu" if runs_on_cpu(fc.train.device) else "cuda")
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
 

@@ -53,7 +53,7 @@ from .batches import BatchStream
 from .checkpoint import load_checkpoint, resume_checkpoint, save_checkpoint
 from .checkpoint_space import check_checkpoint_space
 from .cli import parse_args, run_cli
-from .config import ConfigError, PretrainConfig, validate
+from .config import ConfigError, PretrainConfig, runs_on_cpu, validate
 from .cp_startup import cp_calibration, cp_start_up, log_auto_choice
 from .data import TokenDataset, build_loader, padded_vocab_size, placement_args
 from .evaluate import HeldOut
@@ -136,7 +136,7 @@ def setup_distributed(cfg: PretrainConfig, store: dist.Store | None = None) -> t
 
     Raises: StartError when a rank does not join within ``parallel.timeout_s``.
     """
-    want_cuda = cfg.train.device == "cuda" or (cfg.train.device == "auto" and torch.cuda.is_available())
+    want_cuda = not runs_on_cpu(cfg.train.device)
     if want_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
