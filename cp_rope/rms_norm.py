@@ -49,7 +49,8 @@ RMS_NORM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 MAX_KERNEL_COLS = 16384
 """Longest row the kernel runs (one row tile in registers); longer rows take PyTorch's."""
 
-_TILE = 2048  # elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
+_TILE = 2048  # forward elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
+_BWD_TILE = 2048  # backward elements per row tile
 _PROGRAMS_PER_SM = 8  # backward programs per SM (each keeps one partial dw row)
 _FWD_PER_WARP, _BWD_PER_WARP = 256, 128  # tile elements per warp (_blocks)
 
@@ -88,7 +89,7 @@ def _kernels():
         col_ok = cols < n_cols
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32)
         dt = DX.dtype.element_ty
-        dw = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        dw = tl.zeros((BLOCK_ROW, BLOCK_N), dtype=tl.float32)  # summed over rows once, at the end
         for start in range(pid * BLOCK_ROW, n_rows, step):
             rows = start + tl.arange(0, BLOCK_ROW)
             row_ok = rows < n_rows
@@ -103,9 +104,9 @@ def _kernels():
             tl.store(DX + offs, dx.to(dt), mask=mask)
             if HAS_DW:
                 x_hat = (x * rstd[:, None]).to(dt).to(tl.float32)
-                dw += tl.sum(dy * x_hat, axis=0)
+                dw += dy * x_hat
         if HAS_DW:
-            tl.store(DW_PART + pid * n_cols + cols, dw, mask=col_ok)
+            tl.store(DW_PART + pid * n_cols + cols, tl.sum(dw, axis=0), mask=col_ok)
 
     _KERNELS = (triton, _rms_norm_fwd, _rms_norm_bwd)
     return _KERNELS
@@ -114,7 +115,7 @@ def _kernels():
 _KERNELS = None
 
 
-def _blocks(n_cols: int, per_warp: int) -> tuple[int, int, int]:
+def _blocks(n_cols: int, per_warp: int, tile: int = _TILE) -> tuple[int, int, int]:
     """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements, a warp per
     ``per_warp`` tile elements (4 to 32 warps). Compiled for sm_90 (``cuobjdump
     --dump-resource-usage``) at row lengths 128, 1024 and 8192: the forward at 8 warps a
@@ -122,7 +123,7 @@ def _blocks(n_cols: int, per_warp: int) -> tuple[int, int, int]:
     spilling (a 4,096-element tile at 4 warps took 225-255 and spilled at 128; at 16,384 the
     backward spills 136 bytes a thread)."""
     block_n = 1 << max(n_cols - 1, 0).bit_length()
-    block_row = max(1, _TILE // block_n)
+    block_row = max(1, tile // block_n)
     return block_row, block_n, min(32, max(4, block_row * block_n // per_warp))
 
 
@@ -156,7 +157,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)
     if not n_rows:
         return dx, (torch.zeros_like(w) if with_dw else None)
-    block_row, block_n, warps = _blocks(n_cols, _BWD_PER_WARP)
+    block_row, block_n, warps = _blocks(n_cols, _BWD_PER_WARP, _BWD_TILE)
     grid = min(triton.cdiv(n_rows, block_row), _PROGRAMS_PER_SM * _sm_count(x.device))
     dw_part = torch.empty(grid if with_dw else 0, n_cols, dtype=torch.float32, device=x.device)
     launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,

@@ -164,7 +164,7 @@ def test_backward_grid_depends_on_rows_and_sms_only(monkeypatch):
         x = torch.randn(rows, 64, requires_grad=True)
         w = torch.ones(64, requires_grad=True)
         torch.autograd.grad(rms_norm(x, w, backend="triton").sum(), (x, w))
-    block_row = R._blocks(64, R._BWD_PER_WARP)[0]
+    block_row = R._blocks(64, R._BWD_PER_WARP, R._BWD_TILE)[0]
     assert grids == [(1,), (min(-(-5000 // block_row), R._PROGRAMS_PER_SM * 4),)]
 
 
