@@ -15,16 +15,17 @@ Backward (the same source, differentiated; ``m = dy * w``, ``n`` the row length)
 in float32 and rounded once. Autograd keeps ``x`` and the float32 ``rstd`` per row.
 
 ``patch_model``'s fused norms run it with ``CP_ROPE_NORM_KERNEL=triton``
-(:func:`cp_rope.hf.norms.norm_kernel`); Liger-Kernel's stays their default on CUDA until this
-kernel has been timed on a GPU (it was written and checked on CPU: the Triton interpreter
-against float64, and compiled for sm_90). Why replace Liger-Kernel's: its backward launches one
-4-warp program per SM (132 on an H100) that walks its share of the rows one row (hidden rows)
-or 16 rows (head rows) at a time. Measured in the 262,144-token finetune_hf step
-(docs/benchmarks.md, round 13), it ran 1.8 ms per ``[262144, 1024]`` bf16 norm and 2.6 ms per
-``[262144 x 16, 128]`` q norm, ~4x and ~3x the time to read ``x`` and ``dy`` and write ``dx``
-at the H100's bandwidth, and it zero-fills ``dx`` first. This backward tiles
-``BLOCK_ROW x BLOCK_N`` (~2,048 elements) and runs up to 8 programs per SM; each keeps a
-float32 partial ``dw`` (``[programs, n]``, summed after).
+(:func:`cp_rope.hf.norms.norm_kernel`); Liger-Kernel's stays their default on CUDA until a
+finetune_hf step has been timed with this one. Why replace Liger-Kernel's: its backward
+launches one 4-warp program per SM (132 on an H100) that walks its share of the rows one row
+(hidden rows) or 16 rows (head rows) at a time, and zero-fills ``dx`` first. This backward
+tiles ``BLOCK_ROW x BLOCK_N`` (~2,048 elements, 8 warps) and runs up to 8 programs per SM;
+each sums ``dy * x_hat`` over its tiles in a float32 tile and reduces it over rows once, into
+its partial ``dw`` row (``[programs, n]``, summed after). On an H100 at 262,144 tokens (bf16,
+docs/benchmarks.md round 15) it runs the ``[T, 1024]`` backward in 0.57 ms and the
+``[T x 16, 128]`` q norm's in 1.11 ms (~2,900 GB/s, a copy's ~3,000), Liger's in 1.89 and 3.45
+ms; the forwards run at copy bandwidth. (Reducing over rows at every tile, the first version,
+took 4.9 ms at the q norm.)
 
 Grids: forward ``cdiv(rows, BLOCK_ROW)`` programs, backward at most ``8 x SMs`` (rows only:
 nothing scales with a document count or length); addressing is int64 (program ids widened
@@ -52,7 +53,9 @@ MAX_KERNEL_COLS = 16384
 _TILE = 2048  # forward elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows (at least one)
 _BWD_TILE = 2048  # backward elements per row tile
 _PROGRAMS_PER_SM = 8  # backward programs per SM (each keeps one partial dw row)
-_FWD_PER_WARP, _BWD_PER_WARP = 256, 128  # tile elements per warp (_blocks)
+_FWD_PER_WARP, _BWD_PER_WARP = 256, 256  # tile elements per warp (_blocks): 8 warps a tile
+# (the backward's settings: the fastest at both 262,144-token rows of scripts/tune_rms_norm.py's
+# 27 on an H100, docs/benchmarks.md round 15)
 
 
 def _kernels():
@@ -119,9 +122,10 @@ def _blocks(n_cols: int, per_warp: int, tile: int = _TILE) -> tuple[int, int, in
     """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements, a warp per
     ``per_warp`` tile elements (4 to 32 warps). Compiled for sm_90 (``cuobjdump
     --dump-resource-usage``) at row lengths 128, 1024 and 8192: the forward at 8 warps a
-    2,048-element tile takes 30-47 registers a thread, the backward at 16 warps 61-64, neither
-    spilling (a 4,096-element tile at 4 warps took 225-255 and spilled at 128; at 16,384 the
-    backward spills 136 bytes a thread)."""
+    2,048-element tile takes 30-47 registers a thread, neither it nor the backward at 16 warps
+    spilling (a 4,096-element tile at 4 warps spilled at 128; at 16,384 the backward spills
+    136 bytes a thread). The backward's 8 warps a tile: the fastest of ``scripts/
+    tune_rms_norm.py``'s settings on an H100."""
     block_n = 1 << max(n_cols - 1, 0).bit_length()
     block_row = max(1, tile // block_n)
     return block_row, block_n, min(32, max(4, block_row * block_n // per_warp))
