@@ -54,8 +54,8 @@ _TILE = 2048  # forward elements per row tile: BLOCK_ROW = _TILE // BLOCK_N rows
 _BWD_TILE = 2048  # backward elements per row tile
 _PROGRAMS_PER_SM = 8  # backward programs per SM (each keeps one partial dw row)
 _FWD_PER_WARP, _BWD_PER_WARP = 256, 256  # tile elements per warp (_blocks): 8 warps a tile
-# (the backward's settings: the fastest at both 262,144-token rows of scripts/tune_rms_norm.py's
-# 27 on an H100, docs/benchmarks.md round 15)
+# (the backward's: the fastest at both 262,144-token rows of the 27 settings of
+# scripts/bench_rms_norm.py --tune on an H100, docs/benchmarks.md round 15)
 
 
 def _kernels():
@@ -124,8 +124,8 @@ def _blocks(n_cols: int, per_warp: int, tile: int = _TILE) -> tuple[int, int, in
     --dump-resource-usage``) at row lengths 128, 1024 and 8192: the forward at 8 warps a
     2,048-element tile takes 30-47 registers a thread, neither it nor the backward at 16 warps
     spilling (a 4,096-element tile at 4 warps spilled at 128; at 16,384 the backward spills
-    136 bytes a thread). The backward's 8 warps a tile: the fastest of ``scripts/
-    tune_rms_norm.py``'s settings on an H100."""
+    136 bytes a thread). The backward's 8 warps a tile: the fastest of ``scripts/bench_rms_norm.py
+    --tune``'s settings on an H100."""
     block_n = 1 << max(n_cols - 1, 0).bit_length()
     block_row = max(1, tile // block_n)
     return block_row, block_n, min(32, max(4, block_row * block_n // per_warp))

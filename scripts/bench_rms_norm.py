@@ -3,6 +3,7 @@
 
     python scripts/bench_rms_norm.py                 # the 262,144-token finetune_hf rows
     python scripts/bench_rms_norm.py --tokens 65536
+    python scripts/bench_rms_norm.py --tune          # the backward's launch settings
 
 Rows are those of ``scripts/bench_memory.py``'s Qwen3 shape at ``--tokens``: a hidden-state
 norm ``[T, 1024]``, the q norm ``[T x 16, 128]`` and the k norm ``[T x 8, 128]``, bf16. Per
@@ -16,11 +17,18 @@ Implementations: ``cp_rope`` (the Triton kernels), ``liger`` (``LigerRMSNormFunc
 ``"llama"`` casting, not in place: what finetune_hf ran before; skipped when liger-kernel does
 not import), ``torch`` (``torch.nn.functional.rms_norm``: one rounding, autograd's backward).
 Prints one markdown table and one JSON line.
+
+``--tune``: the backward kernel alone (``cp_rope/rms_norm.py``'s ``_backward``) at the hidden
+and q-norm rows under 27 launch settings (``_BWD_TILE`` x ``_BWD_PER_WARP`` x
+``_PROGRAMS_PER_SM``), each checked against the default setting's ``dx`` / ``dw`` first, next to
+Liger's backward through autograd: one line per setting (median ms, GB/s of ``x``, ``dy`` read
+and ``dx`` written) and one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 
 import torch
@@ -84,9 +92,12 @@ def _row(impls: dict, shape: tuple[int, int], eps: float) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=262144, help="tokens T (default 262,144)")
+    p.add_argument("--tune", action="store_true", help="time the backward's launch settings")
     a = p.parse_args(argv)
     if not torch.cuda.is_available():
         p.error("needs a CUDA GPU")
+    if a.tune:
+        return _tune(a.tokens)
     eps = 1e-6
     rows = {"hidden [T, 1024]": (a.tokens, 1024), "q norm [T x 16, 128]": (a.tokens * 16, 128),
             "k norm [T x 8, 128]": (a.tokens * 8, 128)}
@@ -105,6 +116,63 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"| {label} | " + " | ".join(cells) + f" | {r['copy_gbps']:.0f} |")
     print(json.dumps(result))
     return result
+
+
+def _tune(tokens: int) -> dict:
+    """``--tune``: the backward's launch settings at the hidden and q-norm rows."""
+    import triton.testing as tt
+
+    import cp_rope.rms_norm as R
+
+    rows = {"hidden [T, 1024]": (tokens, 1024), "q norm [T x 16, 128]": (tokens * 16, 128)}
+    grid = list(itertools.product((2048, 4096, 8192), (64, 128, 256), (2, 4, 8)))
+    default = (R._BWD_TILE, R._BWD_PER_WARP, R._PROGRAMS_PER_SM)
+    try:
+        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+    except Exception:  # noqa: BLE001 - not installed: no Liger row
+        LigerRMSNormFunction = None
+    out = {"device": torch.cuda.get_device_name(), "tokens": tokens, "default": default,
+           "rows": {}}
+    for label, shape in rows.items():
+        out["rows"][label] = _tune_row(R, tt, label, shape, grid, LigerRMSNormFunction)
+        torch.cuda.empty_cache()
+    print(json.dumps(out))
+    return out
+
+def _tune_row(R, tt, label: str, shape: tuple[int, int], grid: list, liger) -> dict:
+    """Backward times (ms) of every setting in ``grid`` and of Liger's at one bf16 shape."""
+    x = torch.randn(shape, device="cuda").bfloat16()
+    w = (torch.randn(shape[-1], device="cuda") * 0.3 + 1).bfloat16()
+    dy = torch.randn(shape, device="cuda").bfloat16()
+    nbytes = 3 * x.numel() * x.element_size()
+    buf = torch.empty_like(x)
+    res = {"copy_gbps": 2 * x.numel() * 2 / tt.do_bench(lambda: buf.copy_(x)) / 1e6}
+    _, rstd = R._forward(x, w, 1e-6)
+    want = R._backward(dy, x, w, rstd)
+    default = (R._BWD_TILE, R._BWD_PER_WARP, R._PROGRAMS_PER_SM)
+    for tile, per_warp, per_sm in grid:
+        R._BWD_TILE, R._BWD_PER_WARP, R._PROGRAMS_PER_SM = tile, per_warp, per_sm
+        try:
+            got = R._backward(dy, x, w, rstd)
+            torch.testing.assert_close(got[0], want[0])  # bf16 tolerance: row sums may differ
+            torch.testing.assert_close(got[1].float(), want[1].float(), rtol=1e-2, atol=1e-2)
+            ms = tt.do_bench(lambda: R._backward(dy, x, w, rstd))
+        except Exception as exc:  # noqa: BLE001 - a setting that fails to compile or differs
+            print(f"{label} tile {tile} per_warp {per_warp} per_sm {per_sm}: {exc!r}"[:300])
+            continue
+        finally:
+            R._BWD_TILE, R._BWD_PER_WARP, R._PROGRAMS_PER_SM = default
+        res[f"{tile}/{per_warp}/{per_sm}"] = ms
+        print(f"{label:22s} tile {tile:5d} warps {R._blocks(shape[-1], per_warp, tile)[2]:2d}"
+              f" per_sm {per_sm}: {ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
+    if liger is not None:
+        xg = x.detach().requires_grad_()
+        wg = w.detach().requires_grad_()
+        y = liger.apply(xg, wg, 1e-6, 0.0, "llama", False)
+        ms = tt.do_bench(lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True))
+        res["liger"] = ms
+        print(f"{label:22s} liger: {ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
+    return res
 
 
 if __name__ == "__main__":
