@@ -73,16 +73,16 @@ def _row(impls: dict, shape: tuple[int, int], eps: float) -> dict:
     dy = torch.randn(shape, device=dev).to(bf)
     nbytes = x.numel() * x.element_size()
     buf = torch.empty_like(x)
-    r = {"copy_gbps": 2 * nbytes / tt.do_bench(lambda: buf.copy_(x)) / 1e6}
+    r = {"copy_gbps": 2 * nbytes / tt.do_bench(lambda: buf.copy_(x), return_mode="median") / 1e6}
     for name, fn in impls.items():
         _check(fn, x[:4096], w, dy[:4096], eps)
         xg = x.detach().requires_grad_()
         wg = w.detach().requires_grad_()
         with torch.no_grad():
-            fwd = tt.do_bench(lambda fn=fn, wg=wg: fn(x, wg, eps))
+            fwd = tt.do_bench(lambda fn=fn, wg=wg: fn(x, wg, eps), return_mode="median")
         y = fn(xg, wg, eps)
         bwd = tt.do_bench(lambda y=y, xg=xg, wg=wg: torch.autograd.grad(
-            y, (xg, wg), dy, retain_graph=True))
+            y, (xg, wg), dy, retain_graph=True), return_mode="median")
         r[name] = {"fwd_ms": fwd, "bwd_ms": bwd, "fwd_gbps": 2 * nbytes / fwd / 1e6,
                    "bwd_gbps": 3 * nbytes / bwd / 1e6}
         del y
@@ -146,7 +146,8 @@ def _tune_row(R, tt, label: str, shape: tuple[int, int], grid: list, liger) -> d
     dy = torch.randn(shape, device="cuda").bfloat16()
     nbytes = 3 * x.numel() * x.element_size()
     buf = torch.empty_like(x)
-    res = {"copy_gbps": 2 * x.numel() * 2 / tt.do_bench(lambda: buf.copy_(x)) / 1e6}
+    copy_ms = tt.do_bench(lambda: buf.copy_(x), return_mode="median")
+    res = {"copy_gbps": 2 * x.numel() * 2 / copy_ms / 1e6}
     _, rstd = R._forward(x, w, 1e-6)
     want = R._backward(dy, x, w, rstd)
     default = (R._BWD_TILE, R._BWD_PER_WARP, R._PROGRAMS_PER_SM)
@@ -156,7 +157,7 @@ def _tune_row(R, tt, label: str, shape: tuple[int, int], grid: list, liger) -> d
             got = R._backward(dy, x, w, rstd)
             torch.testing.assert_close(got[0], want[0])  # bf16 tolerance: row sums may differ
             torch.testing.assert_close(got[1].float(), want[1].float(), rtol=1e-2, atol=1e-2)
-            ms = tt.do_bench(lambda: R._backward(dy, x, w, rstd))
+            ms = tt.do_bench(lambda: R._backward(dy, x, w, rstd), return_mode="median")
         except Exception as exc:  # noqa: BLE001 - a setting that fails to compile or differs
             print(f"{label} tile {tile} per_warp {per_warp} per_sm {per_sm}: {exc!r}"[:300])
             continue
@@ -169,7 +170,8 @@ def _tune_row(R, tt, label: str, shape: tuple[int, int], grid: list, liger) -> d
         xg = x.detach().requires_grad_()
         wg = w.detach().requires_grad_()
         y = liger.apply(xg, wg, 1e-6, 0.0, "llama", False)
-        ms = tt.do_bench(lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True))
+        ms = tt.do_bench(lambda: torch.autograd.grad(y, (xg, wg), dy, retain_graph=True),
+                         return_mode="median")
         res["liger"] = ms
         print(f"{label:22s} liger: {ms:.3f} ms ({nbytes / ms / 1e6:.0f} GB/s)", flush=True)
     return res
