@@ -79,7 +79,7 @@ def norm_kernel(device_type: str) -> str:
     Off CUDA always ``"torch"``. On CUDA ``$CP_ROPE_NORM_KERNEL`` (one of
     :data:`NORM_KERNELS`) chooses; ``auto`` (the default) is Liger-Kernel's where it imports,
     else PyTorch's. cp_rope's kernel is opt-in (``triton``) until a training step has been timed
-    with it (alone, its backward ran ~3x faster than Liger's on an H100: docs/benchmarks.md,
+    with it (its backward kernel alone ran ~3x faster than Liger's on an H100: docs/benchmarks.md,
     round 15).
 
     Raises: ValueError naming ``CP_ROPE_NORM_KERNEL`` for another value, or for ``liger``
