@@ -122,10 +122,10 @@ def _blocks(n_cols: int, per_warp: int, tile: int = _TILE) -> tuple[int, int, in
     """``(BLOCK_ROW, BLOCK_N, num_warps)`` for rows of ``n_cols`` elements, a warp per
     ``per_warp`` tile elements (4 to 32 warps). Compiled for sm_90 (``cuobjdump
     --dump-resource-usage``) at row lengths 128, 1024 and 8192: the forward at 8 warps a
-    2,048-element tile takes 30-47 registers a thread, neither it nor the backward at 16 warps
-    spilling (a 4,096-element tile at 4 warps spilled at 128; at 16,384 the backward spills
-    136 bytes a thread). The backward's 8 warps a tile: the fastest of ``scripts/bench_rms_norm.py
-    --tune``'s settings on an H100."""
+    2,048-element tile takes 30-47 registers a thread; the backward as first written (16 warps,
+    one ``dw`` row) 61-64, not spilling (at 16,384 it spilled 136 bytes a thread). The backward
+    now (8 warps, a float32 ``dw`` tile) has not been recompiled for these counts; its 8 warps
+    are the fastest of ``scripts/bench_rms_norm.py --tune``'s settings on an H100."""
     block_n = 1 << max(n_cols - 1, 0).bit_length()
     block_row = max(1, tile // block_n)
     return block_row, block_n, min(32, max(4, block_row * block_n // per_warp))
@@ -147,7 +147,7 @@ def _forward(x: torch.Tensor, w: torch.Tensor, eps: float) -> tuple[torch.Tensor
     if n_rows:
         block_row, block_n, warps = _blocks(n_cols, _FWD_PER_WARP)
         launch(fwd, triton.cdiv(n_rows, block_row), x.device, x, w, y, rstd, n_rows, n_cols,
-                eps, num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
+               eps, num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n)
     return y, rstd
 
 
@@ -165,7 +165,7 @@ def _backward(dy: torch.Tensor, x: torch.Tensor, w: torch.Tensor, rstd: torch.Te
     grid = min(triton.cdiv(n_rows, block_row), _PROGRAMS_PER_SM * _sm_count(x.device))
     dw_part = torch.empty(grid if with_dw else 0, n_cols, dtype=torch.float32, device=x.device)
     launch(bwd, grid, x.device, dy, x, w, rstd, dx, dw_part, n_rows, n_cols,
-            num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n, HAS_DW=with_dw)
+           num_warps=warps, BLOCK_ROW=block_row, BLOCK_N=block_n, HAS_DW=with_dw)
     return dx, (dw_part.sum(0).to(w.dtype) if with_dw else None)
 
 
